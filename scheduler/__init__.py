@@ -1,0 +1,32 @@
+"""sarathi_lite.scheduler: chunked-prefill scheduling over a paged KV block pool.
+
+Pure Python (stdlib only, never torch), so a serving framework or a simulator can import it alone::
+
+    from sarathi_lite.scheduler import Request, SchedulerConfig, make_scheduler
+    sched = make_scheduler(SchedulerConfig(policy="sarathi", chunk_size=256, num_blocks=1024))
+    sched.add(Request("r0", prompt_token_ids=[1, 2, 3], max_tokens=8))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = {s.request_id: 0 for s in out.scheduled if s.sample}   # run the model here
+        sched.update(out, sampled)
+"""
+
+from .base import Scheduler
+from .block_manager import BlockManager
+from .config import CHUNKED_POLICIES, POLICIES, SchedulerConfig
+from .output import ScheduledRequest, SchedulerOutput
+from .policies import (
+    OrcaScheduler,
+    RequestLevelScheduler,
+    SarathiScheduler,
+    SimpleChunkingScheduler,
+    VLLMScheduler,
+    make_scheduler,
+)
+from .request import Request, RequestStatus
+
+__all__ = [
+    "BlockManager", "CHUNKED_POLICIES", "OrcaScheduler", "POLICIES", "Request", "RequestLevelScheduler",
+    "RequestStatus", "SarathiScheduler", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+    "SimpleChunkingScheduler", "VLLMScheduler", "make_scheduler",
+]

@@ -1,0 +1,114 @@
+"""The five batching policies of the Sarathi-Serve paper's comparison, on one scheduler core.
+
+Each differs only in how ``schedule()`` composes the shared steps: give running decodes their token, continue
+prompts mid-prefill, admit waiting prompts.
+"""
+
+from __future__ import annotations
+
+from .base import Scheduler
+from .config import SchedulerConfig
+from .output import SchedulerOutput
+
+
+class SarathiScheduler(Scheduler):
+    """Stall-free hybrid batches (Sarathi-Serve). Token budget ``chunk_size``: every running decode first, then
+    prompts already mid-prefill, then waiting prompts admitted in arrival order, each taking a chunk of what is
+    left. No decode waits while a prompt is prefilled."""
+
+    policy = "sarathi"
+    chunked = True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        prefills = self._schedule_decodes(out)
+        budget = self.config.chunk_size - out.num_decode_tokens
+        budget -= self._schedule_partial_prefills(prefills, budget, out)
+        if budget > 0:
+            num_long = sum(map(self._is_long, prefills))
+            self._admit(budget, out, num_partial=len(prefills), num_long=num_long)
+        return out
+
+
+class VLLMScheduler(Scheduler):
+    """Prefill-prioritizing, unchunked (vLLM v0): whenever waiting prompts can be admitted, run a prefill-only
+    iteration of whole prompts up to ``max_num_batched_tokens``; otherwise a decode-only iteration."""
+
+    policy = "vllm"
+    chunked = False
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self._admit(self.config.max_num_batched_tokens, out):
+            self._schedule_decodes(out)
+        return out
+
+
+class OrcaScheduler(Scheduler):
+    """Iteration-level batching (Orca): every running decode, plus whole waiting prompts up to
+    ``max_num_batched_tokens`` in the same iteration. Prompts are never chunked, so a long prompt stalls the
+    decodes batched with it."""
+
+    policy = "orca"
+    chunked = False
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_decodes(out)
+        self._admit(self.config.max_num_batched_tokens - out.num_decode_tokens, out)
+        return out
+
+
+class RequestLevelScheduler(Scheduler):
+    """Request-level batching (FasterTransformer): a batch of whole prompts is admitted only when the previous
+    batch has entirely finished; then it decodes until every member is done."""
+
+    policy = "request_level"
+    chunked = False
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.running:
+            self._schedule_decodes(out)
+        else:
+            self._admit(self.config.max_num_batched_tokens, out)
+        return out
+
+
+class SimpleChunkingScheduler(Scheduler):
+    """Chunked prefill-only iterations alternating with decode-only iterations (the paper's
+    "chunked-prefills-only" ablation): prompts are chunked under ``chunk_size``, but never share an iteration
+    with decodes."""
+
+    policy = "simple_chunking"
+    chunked = True
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._last_was_prefill = False
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        prefills = [r for r in self.running if r.num_computed_tokens < r.num_prefill_tokens]
+        has_decodes = len(prefills) < len(self.running)
+        if not (has_decodes and self._last_was_prefill):
+            budget = self.config.chunk_size
+            budget -= self._schedule_partial_prefills(prefills, budget, out)
+            if budget > 0:
+                self._admit(budget, out, num_partial=len(prefills), num_long=sum(map(self._is_long, prefills)))
+        self._last_was_prefill = not out.is_empty
+        if out.is_empty:
+            self._schedule_decodes(out)
+        return out
+
+
+_POLICY_CLASSES: dict[str, type[Scheduler]] = {
+    cls.policy: cls
+    for cls in (SarathiScheduler, VLLMScheduler, OrcaScheduler, RequestLevelScheduler, SimpleChunkingScheduler)
+}
+
+
+def make_scheduler(config: SchedulerConfig | None = None) -> Scheduler:
+    """The scheduler for ``config.policy`` (default: ``SchedulerConfig()``, the ``sarathi`` policy)."""
+    config = config or SchedulerConfig()
+    return _POLICY_CLASSES[config.policy](config)

@@ -1,0 +1,62 @@
+"""A request in the unified view: prompt, outputs so far, and how many of those tokens have cached K/V."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not holding KV blocks: new, or preempted and waiting to recompute
+    RUNNING = "running"  # holding KV blocks, scheduled every iteration the policy allows
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    ``num_computed_tokens`` counts the tokens (prompt first, then outputs) whose K/V are in the cache.
+    ``num_prefill_tokens`` is how many tokens must be computed before the next token is sampled: the prompt
+    length on arrival, prompt + outputs after a preemption (recompute). While ``num_computed_tokens`` is below
+    it, the request is prefilling; after, it decodes one token per iteration.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_prefill_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    seq: int = -1  # arrival order within one scheduler; set by Scheduler.add
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + outputs."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]

