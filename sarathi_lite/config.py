@@ -1,0 +1,106 @@
+"""Model configuration read from a Hugging Face checkpoint's ``config.json`` (Llama, Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The decoder's shape and the few behaviours that differ across the Llama family.
+
+    rope_scaling: the rope parameters beyond ``rope_theta`` (``rope_type`` plus its factors), or ``None``.
+    layer_windows: per layer, the sliding-window ``window_left`` (a query at position p sees keys from
+        ``p - window_left``), or -1 for full attention.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    layer_windows: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if not self.layer_windows:
+            self.layer_windows = [-1] * self.num_layers
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={model_type!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+        num_heads = cfg["num_attention_heads"]
+        num_layers = cfg["num_hidden_layers"]
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if not rope and cfg.get("rope_scaling"):
+            rope = dict(cfg["rope_scaling"])
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = cfg.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else rope,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            mlp_bias=cfg.get("mlp_bias", False),
+            layer_windows=_layer_windows(cfg, model_type, num_layers),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            dtype=cfg.get("dtype", cfg.get("torch_dtype")),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in {str(path)!r}: expected a Hugging Face checkpoint folder")
+        return cls.from_dict(json.loads(config_file.read_text()))
+
+
+def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int]:
+    """HF's sliding window of W means a query sees itself and the W - 1 keys before it: window_left = W - 1."""
+    window = cfg.get("sliding_window")
+    if model_type == "mistral":
+        return [window - 1 if window else -1] * num_layers
+    if model_type == "qwen2" and cfg.get("use_sliding_window") and window:
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", num_layers) else "full_attention"
+            for i in range(num_layers)
+        ]
+        return [window - 1 if t == "sliding_attention" else -1 for t in types]
+    return [-1] * num_layers

@@ -1,0 +1,251 @@
+"""``LLMEngine``: the step API. Each ``step()`` is one scheduler decision and ONE forward pass."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sarathi_lite.config import ModelConfig
+from sarathi_lite.metrics import MetricsRecorder, Stats
+from sarathi_lite.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
+from sarathi_lite.models.builtin import resolve_model
+from sarathi_lite.models.loader import load_model
+from sarathi_lite.outputs import RequestOutput
+from sarathi_lite.sampling_params import SamplingParams
+from sarathi_lite.scheduler import Request, SchedulerConfig, SchedulerOutput, make_scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class _Entry:
+    """The engine's side of a request: what the scheduler does not need."""
+
+    request: Request
+    prompt: str | None
+    params: SamplingParams
+    logprobs: list[Any] | None = field(default=None)
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    """Chunked-prefill inference over a paged KV cache.
+
+    model: a built-in name (default ``"smollm2-135m"``) or a local Hugging Face checkpoint folder.
+    scheduler: the policy (``"sarathi"``, ``"vllm"``, ``"orca"``, ``"request_level"``, ``"simple_chunking"``).
+    chunk_size: token budget per iteration (chunked policies). max_num_seqs: most running requests.
+    block_size: tokens per KV block. num_kv_blocks: KV pool size; ``None`` derives it from
+    ``kv_cache_memory`` bytes (default 1 GiB on CPU) or, on CUDA, ``gpu_memory_utilization`` of free memory.
+    max_model_len: most tokens per request (default: the model's, capped by the pool).
+    attention_backend: ``"auto"`` (FlashInfer on CUDA when installed, else torch), ``"torch"``, ``"flashinfer"``.
+    load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights, for benchmarking model shapes).
+    clock: the time source for metrics (seconds). record_batches: keep every iteration's batch composition.
+    scheduler_options: further ``SchedulerConfig`` fields (``max_num_batched_tokens``, ``watermark``,
+    ``max_num_partial_prefills``, ``long_prefill_token_threshold``, ``max_long_partial_prefills``).
+    """
+
+    def __init__(self, model: str | Path | None = None, *, scheduler: str = "sarathi", chunk_size: int = 512,
+                 max_num_seqs: int = 128, block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None, dtype: str | torch.dtype | None = None,
+                 device: str | torch.device | None = None, attention_backend: str = "auto",
+                 load_format: str = "auto", clock: Callable[[], float] = time.perf_counter,
+                 record_batches: bool = False, **scheduler_options: Any) -> None:
+        unknown = set(scheduler_options) - set(SchedulerConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self.model_path = resolve_model(model)
+        self.device = _resolve_device(device)
+        self.dtype = _resolve_dtype(dtype, self.device)
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_path, self.dtype, self.device, load_format)
+        self.model_config: ModelConfig = self.model.config
+        self.tokenizer = _load_tokenizer(self.model_path)
+        num_kv_blocks = self._num_kv_blocks(num_kv_blocks, kv_cache_memory, gpu_memory_utilization, block_size)
+        max_pos = self.model_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(max_pos, num_kv_blocks * block_size)
+        elif max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+        self.scheduler_config = SchedulerConfig(policy=scheduler, chunk_size=chunk_size, max_num_seqs=max_num_seqs,
+                                                block_size=block_size, num_blocks=num_kv_blocks,
+                                                max_model_len=max_model_len, **scheduler_options)
+        self.scheduler = make_scheduler(self.scheduler_config)
+        self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=num_kv_blocks, device=self.device,
+                                  dtype=self.dtype, attention_backend=attention_backend)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+            else set())
+        self.clock = clock
+        self.metrics = MetricsRecorder(record_batches=record_batches)
+        self._entries: dict[str, _Entry] = {}
+        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %d, max_model_len %d",
+                    time.perf_counter() - t0, self.model_path.name, self.device, str(self.dtype).split(".")[-1],
+                    scheduler, chunk_size, max_model_len)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. ``prompt`` is text (tokenized here) or token ids. ``arrival_time`` (on the engine's
+        clock) defaults to now. Raises ``ValueError`` for bad input; the engine is unchanged then."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(request_id, prompt)
+        stop = frozenset(params.stop_token_ids) if params.ignore_eos else \
+            frozenset(params.stop_token_ids) | self.eos_token_ids
+        arrival = self.clock() if arrival_time is None else arrival_time
+        request = Request(request_id, token_ids, params.max_tokens, stop, arrival)
+        self.scheduler.add(request)
+        self._entries[request_id] = _Entry(request, text, params, [] if params.logprobs is not None else None)
+        self.metrics.add(request_id, arrival, len(token_ids))
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request in any state and free its KV blocks. Raises ``ValueError`` for an unknown id."""
+        self.scheduler.abort(request_id)
+        self.metrics.finish(request_id, self.clock(), "abort")
+        self._release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, ONE forward pass over the hybrid batch, then update. Returns an output for
+        every request that got a token (finished ones have ``finish_reason`` set)."""
+        start = self.clock()
+        out = self.scheduler.schedule()
+        scheduled = self.clock()
+        result = self._run(out)
+        return self._postprocess(out, result, start, scheduled)
+
+    def _run(self, out: SchedulerOutput) -> StepResult:
+        if out.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
+            return StepResult({}, {})
+        return self.runner.execute(out, {s.request_id: self._entries[s.request_id].params
+                                         for s in out.scheduled if s.sample})
+
+    def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
+                     ) -> list[RequestOutput]:
+        finished = self.scheduler.update(out, result.tokens)
+        end = self.clock()
+        if out.is_empty:
+            return []
+        self.metrics.record_step(out, start, scheduled, end, finished)
+        outputs = []
+        for rid in result.tokens:
+            entry = self._entries.get(rid)
+            if entry is None:
+                continue
+            if entry.logprobs is not None:
+                entry.logprobs.append(result.logprobs.get(rid))
+            outputs.append(self._output(entry))
+        for req in finished:
+            self._release(req.request_id)
+        return outputs
+
+    def _output(self, entry: _Entry) -> RequestOutput:
+        req = entry.request
+        return RequestOutput(req.request_id, entry.prompt, req.prompt_token_ids, list(req.output_token_ids),
+                             req.finish_reason, self.metrics.requests[req.request_id],
+                             None if entry.logprobs is None else list(entry.logprobs), self.tokenizer)
+
+    def _release(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    # ------------------------------------------------------------------ helpers
+
+    def stats(self) -> Stats:
+        """Per-request and per-iteration records so far (``summary()``, ``to_pandas()``)."""
+        return self.metrics.stats()
+
+    def reset_stats(self) -> None:
+        """Forget the records of finished requests and all iterations (e.g. after a warm-up)."""
+        live = {rid: m for rid, m in self.metrics.requests.items() if rid in self._entries}
+        self.metrics.requests = live
+        self.metrics.iterations = []
+
+    def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {self.model_path}")
+            return prompt, self.tokenizer(prompt).input_ids
+        token_ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
+        return None, token_ids
+
+    def _num_kv_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None, utilization: float,
+                       block_size: int) -> int:
+        if num_kv_blocks is not None:
+            if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks={num_kv_blocks!r} must be a positive integer")
+            return num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.model, block_size, self.dtype)
+        if kv_cache_memory is None:
+            if self.device.type == "cuda":
+                if not 0 < utilization <= 1:
+                    raise ValueError(f"gpu_memory_utilization={utilization!r} must be in (0, 1]")
+                free, total = torch.cuda.mem_get_info(self.device)
+                # Keep room for activations: (1 - utilization) of the card, at least 1 GiB.
+                kv_cache_memory = int(free - max(total * (1 - utilization), 1 << 30))
+            else:
+                kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+        blocks = kv_cache_memory // per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block of {per_block} bytes")
+        logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", kv_cache_memory / 2**20, blocks,
+                    block_size)
+        return int(blocks)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos(path: Path) -> frozenset[int]:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return frozenset()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)

@@ -1,0 +1,208 @@
+"""Per-request and per-iteration serving metrics, as data returned to the caller.
+
+Definitions (following Sarathi-Serve), all times in seconds on one clock:
+
+- scheduling delay: arrival to the first iteration that runs any of the request's tokens;
+- TTFT (time to first token): arrival to the end of the iteration that sampled its first token;
+- TBT (time between tokens): the gap between consecutive output tokens, one per output token after the first;
+  a gap includes any time lost to preemption and recompute;
+- end-to-end latency: arrival to the end of the iteration that sampled its last token;
+- normalized latency: end-to-end latency divided by the number of output tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """One request's timeline. ``token_times[i]`` is when output token ``i`` became available."""
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def scheduling_delay(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tbt(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def normalized_latency(self) -> float | None:
+        e2e = self.e2e
+        return None if e2e is None or not self.token_times else e2e / len(self.token_times)
+
+    def as_dict(self) -> dict[str, Any]:
+        tbt = self.tbt
+        return {
+            "request_id": self.request_id, "arrival_time": self.arrival_time,
+            "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
+            "scheduling_delay": self.scheduling_delay, "ttft": self.ttft,
+            "tbt_mean": float(np.mean(tbt)) if tbt else None, "tbt_max": max(tbt) if tbt else None,
+            "e2e": self.e2e, "normalized_latency": self.normalized_latency,
+            "num_preemptions": self.num_preemptions, "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """One iteration (one forward pass): what it held and how long it took.
+
+    batch: ``(request_id, num_new_tokens)`` per scheduled request, kept only when the recorder is asked to.
+    """
+
+    index: int
+    start_time: float
+    end_time: float
+    schedule_time: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_decodes: int
+    num_preempted: int
+    batch: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def step_time(self) -> float:
+        return self.end_time - self.start_time
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("batch")
+        d["step_time"] = self.step_time
+        return d
+
+
+def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]:
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"{prefix}_p{p}": (float(np.percentile(arr, p)) if arr.size else None) for p in PERCENTILES}
+
+
+class Stats:
+    """What a run recorded: ``requests`` (one ``RequestMetrics`` each) and ``iterations``."""
+
+    def __init__(self, requests: Iterable[RequestMetrics], iterations: Iterable[IterationRecord]) -> None:
+        self.requests = list(requests)
+        self.iterations = list(iterations)
+
+    def summary(self) -> dict[str, Any]:
+        """Percentiles (p50/p90/p99, seconds) of TTFT, TBT, scheduling delay, end-to-end and normalized
+        latency over finished requests (TBT over all token gaps pooled), and throughput over the run."""
+        done = [r for r in self.requests if r.finished_time is not None and r.finish_reason != "abort"]
+        out: dict[str, Any] = {"num_requests": len(done), "num_iterations": len(self.iterations)}
+        out.update(percentiles([r.ttft for r in done if r.ttft is not None], "ttft"))
+        out.update(percentiles([g for r in done for g in r.tbt], "tbt"))
+        out.update(percentiles([r.scheduling_delay for r in done if r.scheduling_delay is not None],
+                               "scheduling_delay"))
+        out.update(percentiles([r.e2e for r in done], "e2e"))
+        out.update(percentiles([r.normalized_latency for r in done if r.normalized_latency is not None],
+                               "normalized_latency"))
+        out_tokens = sum(r.num_output_tokens for r in done)
+        prompt_tokens = sum(r.num_prompt_tokens for r in done)
+        span = (max(r.finished_time for r in done) - min(r.arrival_time for r in done)) if done else 0.0
+        out["duration"] = span
+        out["output_tokens"] = out_tokens
+        out["throughput_requests_per_s"] = len(done) / span if span > 0 else None
+        out["throughput_output_tokens_per_s"] = out_tokens / span if span > 0 else None
+        out["throughput_tokens_per_s"] = (out_tokens + prompt_tokens) / span if span > 0 else None
+        out["num_preemptions"] = sum(r.num_preemptions for r in self.requests)
+        steps = [it.step_time for it in self.iterations]
+        out.update(percentiles(steps, "step_time"))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "requests": [r.as_dict() for r in self.requests],
+                "iterations": [it.as_dict() for it in self.iterations]}
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def to_pandas(self) -> dict[str, Any]:
+        """``{"requests": DataFrame, "iterations": DataFrame}`` (needs pandas)."""
+        import pandas as pd
+
+        return {"requests": pd.DataFrame([r.as_dict() for r in self.requests]),
+                "iterations": pd.DataFrame([it.as_dict() for it in self.iterations])}
+
+
+class MetricsRecorder:
+    """Fills ``RequestMetrics`` and ``IterationRecord``s from scheduler outputs, on any clock (real or
+    simulated): the engine and the simulator share it, so their numbers mean the same thing."""
+
+    def __init__(self, record_batches: bool = False) -> None:
+        self.record_batches = record_batches
+        self.requests: dict[str, RequestMetrics] = {}
+        self.iterations: list[IterationRecord] = []
+
+    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
+        self.requests[request_id] = RequestMetrics(request_id, arrival_time, num_prompt_tokens)
+
+    def record_step(self, out: Any, start: float, schedule_end: float, end: float,
+                    finished: Iterable[Any] = ()) -> None:
+        """Record one iteration ``out`` (a ``SchedulerOutput``) that ran from ``start`` to ``end`` and the
+        requests (with ``request_id``, ``finish_reason``, ``num_preemptions``) that finished in it."""
+        reqs = self.requests
+        for pid in out.preempted_ids:
+            reqs[pid].num_preemptions += 1
+        for s in out.scheduled:
+            m = reqs[s.request_id]
+            if m.finish_reason == "abort":
+                continue
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = start
+            if s.sample:
+                if m.first_token_time is None:
+                    m.first_token_time = end
+                m.token_times.append(end)
+        for req in finished:
+            self.finish(req.request_id, end, req.finish_reason)
+        self.iterations.append(IterationRecord(
+            len(self.iterations), start, end, schedule_end - start, out.num_prefill_tokens, out.num_decode_tokens,
+            out.num_prefills, out.num_decodes, len(out.preempted_ids),
+            tuple((s.request_id, s.num_new_tokens) for s in out.scheduled) if self.record_batches else ()))
+
+    def finish(self, request_id: str, time: float, reason: str | None) -> None:
+        m = self.requests[request_id]
+        m.finished_time = time
+        m.finish_reason = reason
+
+    def stats(self) -> Stats:
+        return Stats(self.requests.values(), self.iterations)

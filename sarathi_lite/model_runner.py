@@ -1,0 +1,86 @@
+"""Turns a ``SchedulerOutput`` into one forward pass: flat inputs, attention metadata, logits, samples."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import torch
+
+from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
+from sarathi_lite.models.llama import LlamaForCausalLM
+from sarathi_lite.sampler import Sampler
+from sarathi_lite.sampling_params import SamplingParams
+from sarathi_lite.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Sampled tokens (and logprobs when asked) of one step, keyed by request id."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, Any]
+
+
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the paged KV cache and runs the model over one hybrid batch per ``execute`` call.
+
+    kv cache: one tensor ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``; layer ``i``'s
+    attention reads and writes its view ``[i]`` (FlashInfer's NHD paged layout).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, *, block_size: int, num_blocks: int, device: torch.device,
+                 dtype: torch.dtype, attention_backend: str = "auto") -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=dtype, device=device)
+        self.backends: dict[int, AttentionBackend] = {
+            w: get_attention_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                     window_left=w, device=device, dtype=dtype)
+            for w in sorted(set(cfg.layer_windows))
+        }
+        for i, attn in enumerate(model.attention_layers()):
+            attn.backend = self.backends[cfg.layer_windows[i]]
+            attn.kv_cache = self.kv_cache[i]
+        self.attention_backend = next(iter(self.backends.values())).name
+        self.sampler = Sampler(device)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), attention backend %s", num_blocks, block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.attention_backend)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> StepResult:
+        """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens."""
+        scheduled = out.scheduled
+        q_lens = [s.num_new_tokens for s in scheduled]
+        kv_lens = [s.num_computed_tokens + s.num_new_tokens for s in scheduled]
+        meta = build_attention_metadata(q_lens, kv_lens, [s.block_table for s in scheduled], self.block_size,
+                                        self.device)
+        for backend in self.backends.values():
+            backend.plan(meta)
+        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in scheduled)), dtype=torch.int64
+                                 ).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, meta.positions)
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        if not rows:
+            return StepResult({}, {})
+        last = torch.from_numpy(meta.qo_indptr_host[1:][rows].astype(np.int64) - 1).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        ids = [scheduled[i].request_id for i in rows]
+        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids])
+        return StepResult(dict(zip(ids, tokens)),
+                          {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None})

@@ -1,0 +1,120 @@
+"""Build a model from a local Hugging Face checkpoint folder (``config.json`` + safetensors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from sarathi_lite.config import ModelConfig
+from sarathi_lite.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# HF checkpoint name pattern -> (our parameter, shard index within a fused parameter, or None)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(path)!r}")
+    return files
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+               ) -> LlamaForCausalLM:
+    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype``.
+
+    load_format: ``"auto"`` reads the safetensors weights; ``"dummy"`` fills random weights (for benchmarks
+    of model shapes whose weights are not at hand; only ``config.json`` is read).
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if load_format == "dummy":
+        _init_dummy(model)
+    elif load_format == "auto":
+        _load_safetensors(model, cfg, _safetensors_files(path))
+    else:
+        raise ValueError(f"load_format={load_format!r} must be 'auto' or 'dummy'")
+    model.init_rotary(device)
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_dummy(model: LlamaForCausalLM) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+
+
+@torch.no_grad()
+def _load_safetensors(model: LlamaForCausalLM, cfg: ModelConfig, files: list[Path]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv_offsets = [(0, q), (q, kv), (q + kv, kv)]
+    gate_up_offsets = [(0, cfg.intermediate_size), (cfg.intermediate_size, cfg.intermediate_size)]
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                if "rotary_emb.inv_freq" in hf_name:
+                    continue
+                if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                tensor = f.get_tensor(hf_name)
+                m = _LAYER_RE.match(hf_name)
+                if m and m.group(3) in _FUSED:
+                    fused, shard = _FUSED[m.group(3)]
+                    name = f"model.layers.{m.group(1)}.{m.group(2)}.{fused}.{m.group(4)}"
+                    start, size = (qkv_offsets if fused == "qkv_proj" else gate_up_offsets)[shard]
+                    _copy(params, name, tensor, start, size)
+                    loaded.add(f"{name}#{shard}")
+                else:
+                    _copy(params, hf_name, tensor)
+                    loaded.add(hf_name)
+    expected = set()
+    for name in params:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".qkv_proj." in name:
+            expected.update(f"{name}#{i}" for i in range(3))
+        elif ".gate_up_proj." in name:
+            expected.update(f"{name}#{i}" for i in range(2))
+        else:
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    logger.info("loaded %d tensors from %d safetensors file(s)", len(loaded), len(files))
+
+
+def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, start: int = 0,
+          size: int | None = None) -> None:
+    if name not in params:
+        raise ValueError(f"checkpoint weight {name!r} has no place in the model")
+    target = params[name] if size is None else params[name].narrow(0, start, size)
+    if target.shape != tensor.shape:
+        raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                         f"the model expects {tuple(target.shape)}")
+    target.copy_(tensor.to(target.dtype))
