@@ -1,0 +1,78 @@
+"""Attention backends and fused ops: each has a pure-torch reference and a FlashInfer fast path.
+
+FlashInfer is optional: it is imported lazily, and only used for CUDA tensors when ``import flashinfer`` works.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ._flashinfer import FAST_DTYPES, INSTALL_HINT, flashinfer_available
+from .activation import silu_and_mul
+from .backend import AttentionBackend
+from .flashinfer_attention import FlashInferAttention
+from .metadata import AttentionMetadata, build_attention_metadata
+from .norm import fused_add_rms_norm, rms_norm
+from .rotary import RotaryEmbedding, rope_inv_freq
+from .sampling import compute_logprobs, sample
+from .torch_attention import TorchPagedAttention
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "FlashInferAttention",
+    "RotaryEmbedding",
+    "TorchPagedAttention",
+    "build_attention_metadata",
+    "compute_logprobs",
+    "flashinfer_available",
+    "fused_add_rms_norm",
+    "get_attention_backend",
+    "rms_norm",
+    "rope_inv_freq",
+    "sample",
+    "silu_and_mul",
+]
+
+BACKEND_NAMES = ("auto", "torch", "flashinfer")
+logger = logging.getLogger(__name__)
+
+
+def _flashinfer_missing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FlashInfer cannot serve ``device``/``dtype`` here, or None if it can."""
+    if not torch.cuda.is_available():
+        return f"CUDA is not available (torch {torch.__version__})"
+    if device.type != "cuda":
+        return f"the device is {device}, not a CUDA device"
+    if dtype not in FAST_DTYPES:
+        return f"the dtype is {dtype}; FlashInfer runs float16 or bfloat16"
+    if not flashinfer_available():
+        return "flashinfer-python does not import"
+    return None
+
+
+def get_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                          scale: float | None = None, window_left: int = -1,
+                          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """Make the attention backend ``name`` for one attention shape.
+
+    name: "torch" (TorchPagedAttention, any device), "flashinfer" (FlashInferAttention; raises RuntimeError
+    saying what is missing: CUDA, a CUDA device, a float16/bfloat16 dtype or flashinfer-python), or "auto"
+    (FlashInfer when all of those are present, else torch). An unknown name raises ValueError.
+    scale: softmax scale (default ``head_dim ** -0.5``); window_left: sliding window, -1 for none; device, dtype:
+    where and in which dtype q and the KV cache will live.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    device = torch.device(device)
+    missing = None if name == "torch" else _flashinfer_missing(device, dtype)
+    if name == "flashinfer" and missing:
+        raise RuntimeError(f"attention backend 'flashinfer' is unavailable: {missing}. It needs a CUDA device, "
+                           f"float16/bfloat16 and flashinfer-python: {INSTALL_HINT}")
+    if name == "auto" and missing:
+        logger.debug("attention backend 'auto' uses torch: %s", missing)
+    if name == "torch" or missing:
+        return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
+    return FlashInferAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left, device=device, dtype=dtype)

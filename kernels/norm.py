@@ -1,0 +1,38 @@
+"""RMSNorm, plain and fused with the residual add (Hugging Face LlamaRMSNorm numerics)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._flashinfer import load_flashinfer, use_flashinfer
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))``, computed in float32 and cast back before the weight, exactly as
+    Hugging Face's ``LlamaRMSNorm``.
+
+    x: [N, hidden] (any leading dims); weight: [hidden]. Returns x's shape in ``promote(weight, x)`` dtype.
+    FlashInfer's ``norm.rmsnorm`` when x is a 2-D float16/bfloat16 CUDA tensor of weight's dtype.
+    """
+    if x.dim() == 2 and weight.dtype == x.dtype and x.stride(-1) == 1 and use_flashinfer(x):
+        return load_flashinfer().norm.rmsnorm(x, weight, eps)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual; return rms_norm(residual), residual`` (the decoder layer's pre-norm step).
+
+    x, residual: [N, hidden] of one dtype; weight: [hidden]. Returns ``(normed, new_residual)``, both [N, hidden].
+    FlashInfer's ``norm.fused_add_rmsnorm`` (contiguous 2-D float16/bfloat16 CUDA tensors) works in place: it
+    returns x and residual themselves, overwritten, so callers must not reuse the old values.
+    """
+    if (x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and weight.dtype == x.dtype
+            and residual.dtype == x.dtype and use_flashinfer(x)):
+        load_flashinfer().norm.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual

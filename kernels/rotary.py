@@ -1,0 +1,94 @@
+"""Rotary position embedding, NeoX / Hugging Face "rotate_half" style, with Llama's rope scaling types."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ._flashinfer import load_flashinfer, use_flashinfer
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies float32 [head_dim // 2], computed exactly as Hugging Face transformers does.
+
+    scaling: the rope parameters beyond the base, transformers 5 names (``rope_type``, ``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``); the older ``type`` key
+    is accepted too. None means the default (unscaled) rope. Raises NotImplementedError for other types.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+    scaling = dict(scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported (supported: "
+                                  f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":  # transformers' _compute_llama3_parameters
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    return inv_freq
+
+
+class RotaryEmbedding:
+    """Rotary embedding with a cos/sin cache for positions ``0 .. max_position - 1``.
+
+    head_dim: rotated dimension (the whole head). base: rope theta. scaling: see ``rope_inv_freq``.
+    dtype: the dtype the torch path's cos/sin are kept in (they are cast to q's dtype when it differs, as Hugging
+    Face does). device: where the cache lives (default: torch's current default device).
+
+    ``cos_sin_cache``: float32 [max_position, head_dim], cos in the first half, sin in the second (FlashInfer's
+    layout). Not an ``nn.Module``, so casting a model to bfloat16 never touches the float32 cache.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: Mapping[str, Any] | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = rope_inv_freq(head_dim, base, scaling)
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        self._cos = self.cos_sin_cache[:, :head_dim // 2].to(dtype)
+        self._sin = self.cos_sin_cache[:, head_dim // 2:].to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 (or int32) [N], each < max_position; q: [N, Hq, head_dim]; k: [N, Hkv, head_dim].
+
+        Returns the rotated ``(q, k)`` in their dtype. The torch path returns new tensors and matches Hugging
+        Face's ``apply_rotary_pos_emb`` bit for bit; FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``
+        (float16/bfloat16 CUDA tensors) rotates q and k in place and returns them.
+        """
+        if q.stride(-1) == 1 and k.stride(-1) == 1 and use_flashinfer(q, k):
+            load_flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, self.head_dim, self.cos_sin_cache, is_neox=True)
+            return q, k
+        cos = self._cos.index_select(0, positions).to(q.dtype)[:, None, :]
+        sin = self._sin.index_select(0, positions).to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    __call__ = forward
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * [cos, cos] + rotate_half(x) * [sin, sin]`` on x [N, H, D], cos/sin [N, 1, D/2]; the same roundings
+    as Hugging Face's version (negation is exact), without materialising the duplicated halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
