@@ -54,13 +54,21 @@ class ModelRunner:
                                      window_left=w, device=device, dtype=dtype)
             for w in sorted(set(cfg.layer_windows))
         }
-        for i, attn in enumerate(model.attention_layers()):
-            attn.backend = self.backends[cfg.layer_windows[i]]
-            attn.kv_cache = self.kv_cache[i]
         self.attention_backend = next(iter(self.backends.values())).name
         self.sampler = Sampler(device)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), attention backend %s", num_blocks, block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.attention_backend)
+
+    def _bind(self) -> None:
+        """Point the model's attention layers at this runner's KV cache and backends (cheap, and needed only
+        when another runner shares the model's weights and ran in between)."""
+        layers = self.model.attention_layers()
+        if layers[0].kv_cache is not None and layers[0].kv_cache.data_ptr() == self.kv_cache.data_ptr():
+            return
+        windows = self.model.config.layer_windows
+        for i, attn in enumerate(layers):
+            attn.backend = self.backends[windows[i]]
+            attn.kv_cache = self.kv_cache[i]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> StepResult:
@@ -72,6 +80,7 @@ class ModelRunner:
                                         self.device)
         for backend in self.backends.values():
             backend.plan(meta)
+        self._bind()
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in scheduled)), dtype=torch.int64
                                  ).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, meta.positions)
