@@ -15,11 +15,12 @@ NEAR_TIE = 1e-4
 LOGPROB_ATOL = 1e-4
 
 
-def workload(seed: int, n: int = 14, max_prompt: int = 300, vocab: int = 320) -> list[tuple[list[int], int]]:
+def workload(seed: int, n: int = 14, max_prompt: int = 300, max_output: int = 20, vocab: int = 320
+             ) -> list[tuple[list[int], int]]:
     """``n`` (prompt, max_tokens) pairs, prompt lengths spanning 1 .. max_prompt (both ends included)."""
     rng = random.Random(seed)
     lengths = [1, max_prompt, 2] + [rng.randint(1, max_prompt) for _ in range(n - 3)]
-    return [([rng.randrange(3, vocab) for _ in range(length)], rng.randint(1, 20)) for length in lengths]
+    return [([rng.randrange(3, vocab) for _ in range(length)], rng.randint(1, max_output)) for length in lengths]
 
 
 def run_staggered(engine: LLMEngine, work: list[tuple[list[int], int]], waves: int = 3) -> dict[str, tuple]:

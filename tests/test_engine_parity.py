@@ -11,8 +11,8 @@ from sarathi_lite.scheduler import POLICIES
 from .parity import assert_matches_hf, run_staggered, workload
 
 
-def check_run(engine: LLMEngine, ref, seed: int) -> dict[str, int]:
-    work = workload(seed)
+def check_run(engine: LLMEngine, ref, seed: int, **workload_options) -> dict[str, int]:
+    work = workload(seed, **workload_options)
     results = run_staggered(engine, work)
     assert len(results) == len(work)
     verdicts = {"exact": 0, "near-tie": 0}
@@ -42,10 +42,11 @@ def test_greedy_matches_hf_for_every_policy_chunk_and_block_size(tiny_checkpoint
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_matches_hf_when_a_small_kv_pool_forces_preemption(tiny_checkpoints, hf_reference, policy,
                                                                   block_size):
-    # The longest request (300 prompt + 20 output tokens) just fits the pool alone; the others must be preempted.
+    # Prompts of up to 120 tokens with up to 40 outputs each, 14 of them, in a pool of 192 token slots: decodes
+    # run out of blocks and the most recent arrivals are preempted and recomputed.
     engine = LLMEngine(tiny_checkpoints["llama"], scheduler=policy, chunk_size=32, block_size=block_size,
-                       num_kv_blocks=352 // block_size, device="cpu", attention_backend="torch")
-    check_run(engine, hf_reference("llama"), seed=11)
+                       num_kv_blocks=192 // block_size, device="cpu", attention_backend="torch")
+    check_run(engine, hf_reference("llama"), seed=11, max_prompt=120, max_output=40)
     assert sum(r.num_preemptions for r in engine.stats().requests) > 0, "the pool did not force a preemption"
 
 
