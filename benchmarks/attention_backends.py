@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from sarathi_lite.kernels import AttentionMetadata, TorchPagedAttention, build_attention_metadata, flashinfer_available
 
 HQ, HKV, D, HIDDEN, INTERMEDIATE = 9, 3, 64, 576, 1536

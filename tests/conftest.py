@@ -15,8 +15,14 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_la
 
 def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     """Save a tiny random model of ``kind`` (llama | llama3 | mistral | qwen2) as a safetensors checkpoint."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if kind == "llama":

@@ -4,8 +4,10 @@ size, batch mix or preemption."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sarathi_lite import LLMEngine
+from sarathi_lite.kernels import flashinfer_available
 from sarathi_lite.scheduler import POLICIES
 
 from .parity import assert_matches_hf, run_staggered, workload
@@ -56,3 +58,35 @@ def test_greedy_matches_hf_for_llama3_mistral_and_qwen2(tiny_checkpoints, hf_ref
     engine = LLMEngine(tiny_checkpoints[kind], scheduler="sarathi", chunk_size=chunk_size, block_size=16,
                        num_kv_blocks=32, device="cpu", attention_backend="torch")
     check_run(engine, hf_reference(kind), seed=5)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("policy", ["sarathi", "vllm"])
+def test_greedy_matches_hf_on_cuda_in_float32(tiny_checkpoints, hf_reference, policy):
+    engine = LLMEngine(tiny_checkpoints["llama"], scheduler=policy, chunk_size=32, block_size=16,
+                       num_kv_blocks=256, device="cuda", dtype="float32", attention_backend="torch")
+    check_run(engine, hf_reference("llama"), seed=3)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and flashinfer_available()),
+                    reason="needs CUDA and flashinfer-python")
+@pytest.mark.parametrize("chunk_size", [7, 4096])
+def test_flashinfer_bf16_engine_tracks_hf_within_bf16_rounding(tiny_checkpoints, hf_reference, chunk_size):
+    """bf16 rounds logits at ~1e-2, so greedy may flip wherever HF's top two are that close; every token we pick
+    must be within that of HF's float32 argmax under teacher forcing, and logprobs within bf16 error."""
+    engine = LLMEngine(tiny_checkpoints["llama"], chunk_size=chunk_size, block_size=16, num_kv_blocks=256,
+                       device="cuda", dtype="bfloat16", attention_backend="flashinfer")
+    assert engine.runner.attention_backend == "flashinfer"
+    work = workload(9)
+    results = run_staggered(engine, work)
+    ref = hf_reference("llama")
+    for i, (prompt, _) in enumerate(work):
+        _, tokens, logprobs = results[f"r{i}"]
+        logits = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]
+        lp = torch.log_softmax(logits, -1)
+        for j, tok in enumerate(tokens):
+            assert float(logits[j].max() - logits[j, tok]) <= 0.05
+            assert abs(logprobs[j] - float(lp[j, tok])) <= 0.05

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+
 from sarathi_lite.kernels import (
     AttentionMetadata,
     TorchPagedAttention,

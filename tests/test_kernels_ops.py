@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from sarathi_lite.kernels import RotaryEmbedding, compute_logprobs, fused_add_rms_norm, rms_norm, sample, silu_and_mul
 from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from sarathi_lite.kernels import RotaryEmbedding, compute_logprobs, fused_add_rms_norm, rms_norm, sample, silu_and_mul
 
 EXACT = dict(atol=0, rtol=0)
 
