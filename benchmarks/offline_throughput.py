@@ -62,20 +62,27 @@ def run_ours(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict:
 
 
 @torch.inference_mode()
-def run_hf(path: Path, prompts: list[list[int]], outputs: list[int], batch: int) -> dict:
-    from transformers import AutoModelForCausalLM
+def run_hf(path: Path, prompts: list[list[int]], outputs: list[int], batch: int, device: torch.device,
+           dtype: torch.dtype, dummy: bool) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if dummy:  # random weights of the checkpoint's shape: speed only
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()
     pad = 0
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
         group = prompts[start:start + batch]
         width = max(map(len, group))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
         n = max(outputs[start:start + batch])
         model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                        eos_token_id=None, pad_token_id=pad)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     return {"elapsed_s": elapsed, "output_tokens_per_s": sum(outputs) / elapsed,
             "total_tokens_per_s": (sum(outputs) + sum(map(len, prompts))) / elapsed, "batch_size": batch}
@@ -106,8 +113,8 @@ def main() -> None:
     outputs = [o for _, o in rows]
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     ours = run_ours(llm, prompts, outputs)
-    hf = None if args.skip_hf or args.load_format == "dummy" else run_hf(llm.engine.model_path, prompts, outputs,
-                                                                         args.hf_batch)
+    hf = None if args.skip_hf else run_hf(llm.engine.model_path, prompts, outputs, args.hf_batch,
+                                          llm.engine.device, llm.engine.dtype, args.load_format == "dummy")
     print(f"\n{len(rows)} requests, {sum(map(len, prompts))} prompt + {sum(outputs)} output tokens "
           f"({args.trace.name}, prompts <= {args.max_prompt}, outputs <= {args.max_output}, EOS ignored)")
     print(f"{'system':<34} {'time s':>8} {'out tok/s':>10} {'all tok/s':>10}")
