@@ -1,0 +1,121 @@
+"""Serving capacity (Sarathi-Serve's definition): the highest request rate at which P99 TBT stays within an SLO
+and the median scheduling delay within a bound.
+
+Torch-free: ``search_capacity`` takes any ``probe(qps) -> BenchResult`` (a real-time replay or a simulation)
+and binary-searches the rate, assuming that passing is monotone (a rate passes if any higher one does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sarathi_lite.results import BenchResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class SLO:
+    """tbt_p99: most P99 time between tokens (seconds). scheduling_delay_p50: most median scheduling delay
+    (seconds; Sarathi-Serve uses 2 s)."""
+
+    tbt_p99: float
+    scheduling_delay_p50: float = 2.0
+
+    def __post_init__(self) -> None:
+        assert self.tbt_p99 > 0 and self.scheduling_delay_p50 > 0, "SLO bounds must be positive"
+
+    def met_by(self, summary: dict[str, Any]) -> bool:
+        """Whether a ``BenchResult.summary()`` meets both bounds. A run without token gaps (every output one
+        token) meets the TBT bound; a run that finished no request meets nothing."""
+        if not summary["num_requests"]:
+            return False
+        tbt, delay = summary["tbt_p99"], summary["scheduling_delay_p50"]
+        return (tbt is None or tbt <= self.tbt_p99) and delay <= self.scheduling_delay_p50
+
+
+@dataclass(slots=True)
+class Probe:
+    """One rate tried: ``qps`` (requests/s), whether it met the SLO, the two measured values (seconds) and the
+    run itself (not serialized)."""
+
+    qps: float
+    passed: bool
+    tbt_p99: float | None
+    scheduling_delay_p50: float | None
+    result: BenchResult | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"qps": self.qps, "passed": self.passed, "tbt_p99": self.tbt_p99,
+                "scheduling_delay_p50": self.scheduling_delay_p50}
+
+
+@dataclass(slots=True)
+class CapacityResult:
+    """The probes of one configuration's search, in the order they ran."""
+
+    label: str
+    slo: SLO
+    qps_range: tuple[float, float]
+    probes: list[Probe] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> float | None:
+        """The highest rate that passed (requests/s); ``None`` if none did (capacity below the range)."""
+        passed = [p.qps for p in self.probes if p.passed]
+        return max(passed) if passed else None
+
+    @property
+    def failed_above(self) -> float | None:
+        """The lowest rate that failed (requests/s); ``None`` if none did (capacity at least the range's top)."""
+        failed = [p.qps for p in self.probes if not p.passed]
+        return min(failed) if failed else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "slo": {"tbt_p99": self.slo.tbt_p99,
+                                             "scheduling_delay_p50": self.slo.scheduling_delay_p50},
+                "qps_range": list(self.qps_range), "capacity": self.capacity, "failed_above": self.failed_above,
+                "probes": [p.to_dict() for p in self.probes]}
+
+
+def search_capacity(probe: Callable[[float], BenchResult], slo: SLO, qps_low: float, qps_high: float,
+                    num_probes: int = 6, label: str = "") -> CapacityResult:
+    """Binary search on the rate in ``[qps_low, qps_high]`` (requests/s) with at most ``num_probes`` runs.
+
+    ``qps_low`` runs first: if it fails, the search stops (capacity below the range). Then ``qps_high``: if it
+    passes, the search stops (capacity at least the top). Then the midpoint of the highest pass and the lowest
+    fail, until the probes are spent. The answer's error is at most ``(qps_high - qps_low) / 2 ** (num_probes -
+    2)``.
+    """
+    if not 0 < qps_low < qps_high:
+        raise ValueError(f"need 0 < qps_low < qps_high, got {qps_low}, {qps_high}")
+    if num_probes < 2:
+        raise ValueError(f"num_probes={num_probes} must be at least 2 (the two ends of the range)")
+    out = CapacityResult(label, slo, (qps_low, qps_high))
+
+    def run(qps: float) -> bool:
+        result = probe(qps)
+        s = result.summary()
+        passed = slo.met_by(s)
+        out.probes.append(Probe(qps, passed, s["tbt_p99"], s["scheduling_delay_p50"], result))
+        logger.info("%s at %.3f req/s: P99 TBT %s s, median scheduling delay %s s -> %s", label, qps,
+                    _fmt(s["tbt_p99"]), _fmt(s["scheduling_delay_p50"]), "pass" if passed else "fail")
+        return passed
+
+    if not run(qps_low) or run(qps_high):
+        return out
+    lo, hi = qps_low, qps_high
+    for _ in range(num_probes - 2):
+        mid = (lo + hi) / 2
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    return out
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

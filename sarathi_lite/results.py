@@ -1,0 +1,189 @@
+"""A serving benchmark's result: what ran (configuration, workload) and what it recorded (``Stats``).
+
+Torch-free, so the real-time replay (``sarathi_lite.bench``) and a simulator produce the same object and the same
+JSON schema. Metric definitions are those of ``sarathi_lite.metrics``; nothing here recomputes them.
+
+>>> result.summary()["tbt_p99"]              # seconds
+>>> result.to_json("sarathi.json"); BenchResult.from_json("sarathi.json")
+>>> print(compare([sarathi, vllm]))           # one table row per configuration
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
+from sarathi_lite.scheduler import CHUNKED_POLICIES
+from sarathi_lite.workload import Workload
+
+SCHEMA = "sarathi-lite/bench-result/1"
+
+
+def config_label(policy: str, chunk_size: int) -> str:
+    """``"sarathi/256"`` for chunked policies; the policy alone for the others (their chunk size is unused)."""
+    return f"{policy}/{chunk_size}" if policy in CHUNKED_POLICIES else policy
+
+
+@dataclass(slots=True)
+class BenchResult:
+    """One configuration run on one workload.
+
+    config: at least ``policy`` and ``chunk_size``; also the model and engine options that were used.
+    workload: exactly what was replayed. stats: the per-request and per-iteration records.
+    meta: how it ran (``replay``: ``"real-time"`` or ``"simulated"``; date, machine, load average, wall time).
+    """
+
+    config: dict[str, Any]
+    workload: Workload
+    stats: Stats
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.config.get("label") or config_label(self.config["policy"], self.config["chunk_size"])
+
+    def summary(self) -> dict[str, Any]:
+        """``Stats.summary()`` (seconds, tokens/s, requests/s) with the configuration's label, policy, chunk
+        size and the workload's offered rate ``qps`` (requests/s) in front."""
+        return {"label": self.label, "policy": self.config["policy"], "chunk_size": self.config["chunk_size"],
+                "qps": self.workload.qps, **self.stats.summary()}
+
+    # ------------------------------------------------------------------ files and frames
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``summary`` is included for readers and recomputed on load."""
+        return {"schema": SCHEMA, "config": self.config, "meta": self.meta, "summary": self.summary(),
+                "workload": self.workload.to_dict(),
+                "requests": [asdict(r) for r in self.stats.requests],
+                "iterations": [asdict(it) for it in self.stats.iterations]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchResult:
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} record (schema={d.get('schema')!r})")
+        requests = [RequestMetrics(**r) for r in d["requests"]]
+        iterations = [IterationRecord(**{**it, "batch": tuple(tuple(b) for b in it["batch"])})
+                      for it in d["iterations"]]
+        return cls(dict(d["config"]), Workload.from_dict(d["workload"]), Stats(requests, iterations),
+                   dict(d.get("meta", {})))
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> BenchResult:
+        """From JSON text or a path to a JSON file."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            text = Path(source).read_text()
+        return cls.from_dict(json.loads(text))
+
+    def tables(self) -> dict[str, list[dict[str, Any]]]:
+        """Rows of ``requests`` (one per request, ``RequestMetrics.as_dict``), ``iterations`` (one per forward
+        pass, ``IterationRecord.as_dict``) and ``tbt`` (one per token gap: request, index of the later token,
+        gap in seconds), each row led by the configuration's label."""
+        label = self.label
+        tbt = [{"label": label, "request_id": r.request_id, "token_index": i + 1, "tbt": gap}
+               for r in self.stats.requests for i, gap in enumerate(r.tbt)]
+        return {"requests": [{"label": label, **r.as_dict()} for r in self.stats.requests],
+                "iterations": [{"label": label, **it.as_dict()} for it in self.stats.iterations],
+                "tbt": tbt}
+
+    def to_csv(self, prefix: str | Path) -> list[Path]:
+        """Write ``<prefix>_requests.csv``, ``<prefix>_iterations.csv`` and ``<prefix>_tbt.csv``; returns them."""
+        paths = []
+        for name, rows in self.tables().items():
+            path = Path(f"{prefix}_{name}.csv")
+            _write_csv(path, rows)
+            paths.append(path)
+        return paths
+
+    def to_pandas(self) -> dict[str, Any]:
+        """``{"requests", "iterations", "tbt"}`` DataFrames (needs pandas); ``pd.concat`` several results' frames
+        to compare them, the ``label`` column tells them apart."""
+        import pandas as pd
+
+        return {name: pd.DataFrame(rows) for name, rows in self.tables().items()}
+
+
+# ---------------------------------------------------------------------- several results
+
+_COLUMNS = (  # header, summary key, scale, format
+    ("config", "label", None, "{}"),
+    ("req/s", "throughput_requests_per_s", 1, "{:.2f}"),
+    ("tok/s", "throughput_tokens_per_s", 1, "{:.0f}"),
+    ("out tok/s", "throughput_output_tokens_per_s", 1, "{:.1f}"),
+    ("TTFT p50 s", "ttft_p50", 1, "{:.2f}"),
+    ("p90", "ttft_p90", 1, "{:.2f}"),
+    ("p99", "ttft_p99", 1, "{:.2f}"),
+    ("TBT p50 ms", "tbt_p50", 1000, "{:.0f}"),
+    ("p90", "tbt_p90", 1000, "{:.0f}"),
+    ("p99", "tbt_p99", 1000, "{:.0f}"),
+    ("sched p50 s", "scheduling_delay_p50", 1, "{:.2f}"),
+    ("p90", "scheduling_delay_p90", 1, "{:.2f}"),
+    ("p99", "scheduling_delay_p99", 1, "{:.2f}"),
+    ("preempt", "num_preemptions", 1, "{}"),
+)
+
+
+def compare(results: Sequence[BenchResult]) -> str:
+    """A text table, one row per result: throughput (requests/s, tokens/s), TTFT (s), TBT (ms) and scheduling
+    delay (s) at p50/p90/p99, preemptions."""
+    rows = [[_cell(r.summary(), key, scale, fmt) for _, key, scale, fmt in _COLUMNS] for r in results]
+    header = [h for h, *_ in _COLUMNS]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              for row in rows]
+    return "\n".join(lines)
+
+
+def compare_markdown(results: Sequence[BenchResult]) -> str:
+    """``compare`` as a Markdown table (for docs)."""
+    header = [h for h, *_ in _COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for r in results:
+        s = r.summary()
+        lines.append("| " + " | ".join(_cell(s, key, scale, fmt) for _, key, scale, fmt in _COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _cell(summary: dict[str, Any], key: str, scale: float | None, fmt: str) -> str:
+    value = summary.get(key)
+    if value is None:
+        return "-"
+    return fmt.format(value * scale if scale is not None else value)
+
+
+def save_results(results: Sequence[BenchResult], out_dir: str | Path) -> list[Path]:
+    """Write each result as ``<label>.json`` and its CSVs (``to_csv``), and ``summary.csv`` (one row per
+    result); returns the paths. Labels become file names with ``/`` replaced by ``_``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in results:
+        stem = out / re.sub(r"[^A-Za-z0-9_.-]+", "_", r.label)
+        paths.append(stem.with_suffix(".json"))
+        r.to_json(paths[-1])
+        paths += r.to_csv(stem)
+    paths.append(out / "summary.csv")
+    _write_csv(paths[-1], [r.summary() for r in results])
+    return paths
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
