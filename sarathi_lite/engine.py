@@ -68,6 +68,9 @@ class LLMEngine:
     clock: the time source for metrics (seconds). record_batches: keep every iteration's batch composition.
     scheduler_options: further ``SchedulerConfig`` fields (``max_num_batched_tokens``, ``watermark``,
     ``max_num_partial_prefills``, ``long_prefill_token_threshold``, ``max_long_partial_prefills``).
+    share_model_with: another engine of the same checkpoint, dtype and device whose loaded weights (and
+    tokenizer) this one reuses instead of loading them again, e.g. to sweep scheduler settings. Each engine
+    keeps its own KV cache and scheduler; do not step them from two threads at once.
     """
 
     def __init__(self, model: str | Path | None = None, *, scheduler: str = "sarathi", chunk_size: int = 512,
@@ -76,7 +79,8 @@ class LLMEngine:
                  max_model_len: int | None = None, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, attention_backend: str = "auto",
                  load_format: str = "auto", clock: Callable[[], float] = time.perf_counter,
-                 record_batches: bool = False, **scheduler_options: Any) -> None:
+                 record_batches: bool = False, share_model_with: LLMEngine | None = None,
+                 **scheduler_options: Any) -> None:
         unknown = set(scheduler_options) - set(SchedulerConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
@@ -84,9 +88,17 @@ class LLMEngine:
         self.device = _resolve_device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_path, self.dtype, self.device, load_format)
+        if share_model_with is None:
+            self.model = load_model(self.model_path, self.dtype, self.device, load_format)
+            self.tokenizer = _load_tokenizer(self.model_path)
+        else:
+            other = share_model_with
+            if (other.model_path, other.dtype, other.device) != (self.model_path, self.dtype, self.device):
+                raise ValueError(f"share_model_with: that engine holds {other.model_path.name} "
+                                 f"({other.dtype}, {other.device}), not {self.model_path.name} "
+                                 f"({self.dtype}, {self.device})")
+            self.model, self.tokenizer = other.model, other.tokenizer
         self.model_config: ModelConfig = self.model.config
-        self.tokenizer = _load_tokenizer(self.model_path)
         num_kv_blocks = self._num_kv_blocks(num_kv_blocks, kv_cache_memory, gpu_memory_utilization, block_size)
         max_pos = self.model_config.max_position_embeddings
         if max_model_len is None:
