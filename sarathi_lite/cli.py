@@ -1,5 +1,6 @@
 """``sarathi-lite``: the command line. ``generate`` runs prompts under the chunked-prefill scheduler and shows
-how each iteration mixed prefill chunks and decodes, then TTFT/TBT."""
+how each iteration mixed prefill chunks and decodes, then TTFT/TBT. ``bench`` and ``capacity`` run the serving
+benchmark (``sarathi_lite.bench_cli``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from sarathi_lite.bench_cli import add_bench_parsers
 from sarathi_lite.metrics import IterationRecord, Stats
 from sarathi_lite.scheduler import POLICIES
 
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
+    add_bench_parsers(sub)
     return parser
 
 

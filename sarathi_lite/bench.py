@@ -1,0 +1,299 @@
+"""Serving benchmark on the real model: replay a ``Workload`` online, in real time, under one or more scheduler
+configurations, and measure the per-token cost of decode, hybrid and prefill batches.
+
+>>> from sarathi_lite.bench import run
+>>> from sarathi_lite.workload import Workload
+>>> wl = Workload.from_trace("splitwise_conv.csv", num_requests=40, qps=0.5, prompt_scale=0.25)
+>>> results = run(wl, policies=["sarathi", "vllm"], chunk_sizes=[256])
+>>> print(compare(results))                   # sarathi_lite.results.compare
+
+Replay: a request is added to the engine (``arrival_time = start + spec.arrival_time`` on the engine's clock)
+once the wall clock passes its arrival; the engine steps continuously while anything is unfinished, and sleeps
+until the next arrival when nothing is. Prompts are token ids drawn from the workload's seed; every output is
+forced to its ``output_len`` (greedy, EOS ignored). The model is loaded once and shared by every configuration.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
+from sarathi_lite.engine import LLMEngine
+from sarathi_lite.results import BenchResult, config_label
+from sarathi_lite.sampling_params import SamplingParams
+from sarathi_lite.scheduler import CHUNKED_POLICIES, ScheduledRequest, SchedulerOutput
+from sarathi_lite.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+WARMUP_REQUEST_ID = "warmup"
+
+
+def configurations(policies: Sequence[str], chunk_sizes: Sequence[int]) -> list[tuple[str, int | None]]:
+    """``(policy, chunk_size)`` pairs to run: each chunked policy at every chunk size, every other policy once
+    (chunk size ``None``: it does not chunk)."""
+    pairs: list[tuple[str, int | None]] = []
+    for policy in policies:
+        pairs += [(policy, c) for c in chunk_sizes] if policy in CHUNKED_POLICIES else [(policy, None)]
+    return pairs
+
+
+def engine_config(engine: LLMEngine, chunk_size: int | None) -> dict[str, Any]:
+    """The configuration record of a result: policy, chunk size (``None`` for unchunked policies), the token
+    budget, and the model and engine settings that shape timing."""
+    cfg = engine.scheduler_config
+    return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
+            "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
+            "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len, "model": engine.model_path.name,
+            "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+            "attention_backend": engine.runner.attention_backend}
+
+
+def machine() -> str:
+    """A one-line description of this machine and torch's thread count."""
+    return (f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs, "
+            f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+
+
+def warm_up(engine: LLMEngine, prompt_len: int = 32, output_len: int = 4) -> None:
+    """Run one short request to completion, then forget its records (``reset_stats``)."""
+    vocab = engine.model_config.vocab_size
+    engine.add_request(WARMUP_REQUEST_ID, [i % vocab for i in range(1, prompt_len + 1)],
+                       SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_stats()
+
+
+def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = None, progress: bool = True
+           ) -> BenchResult:
+    """Replay ``workload`` on ``engine`` in real time and return what it recorded.
+
+    The engine must have no unfinished requests and a real-time clock; warm it up first (``warm_up``).
+    chunk_size: recorded in the configuration (default: the engine's, or ``None`` for unchunked policies).
+    Raises ``ValueError`` if a request does not fit the engine's ``max_model_len``.
+    """
+    if engine.has_unfinished_requests():
+        raise ValueError("replay needs an idle engine; it has unfinished requests")
+    cfg = engine.scheduler_config
+    too_long = [r.request_id for r in workload.requests if r.prompt_len + r.output_len > cfg.max_model_len]
+    if too_long:
+        raise ValueError(f"{len(too_long)} request(s) (e.g. {too_long[0]}) need more than max_model_len="
+                         f"{cfg.max_model_len} tokens; clip the workload (max_prompt, max_output)")
+    if chunk_size is None and cfg.policy in CHUNKED_POLICIES:
+        chunk_size = cfg.chunk_size
+    config = engine_config(engine, chunk_size)
+    prompts = workload.prompt_token_ids(engine.model_config.vocab_size)
+    pending = list(zip(workload.requests, prompts))
+    engine.reset_stats()
+    load_start = os.getloadavg()
+    bar = _progress(len(pending), config["label"], progress)
+    clock = engine.clock
+    start = clock()
+    wall = time.perf_counter()
+    nxt = 0
+    while nxt < len(pending) or engine.has_unfinished_requests():
+        now = clock()
+        while nxt < len(pending) and start + pending[nxt][0].arrival_time <= now:
+            spec, ids = pending[nxt]
+            engine.add_request(spec.request_id, ids, SamplingParams(temperature=0.0, max_tokens=spec.output_len,
+                                                                    ignore_eos=True),
+                               arrival_time=start + spec.arrival_time)
+            nxt += 1
+        if engine.has_unfinished_requests():
+            done = sum(o.finished for o in engine.step())
+            if bar is not None and done:
+                bar.update(done)
+        elif nxt < len(pending):
+            time.sleep(max(0.0, start + pending[nxt][0].arrival_time - clock()))
+    if bar is not None:
+        bar.close()
+    meta = {"replay": "real-time", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine(), "load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),
+            "wall_time": time.perf_counter() - wall}
+    return BenchResult(config, workload, engine.stats(), meta)
+
+
+def run(workload: Workload, *, policies: Sequence[str] = ("sarathi",), chunk_sizes: Sequence[int] = (256,),
+        model: str | Path | None = None, progress: bool = True, engine: LLMEngine | None = None,
+        **engine_options: Any) -> list[BenchResult]:
+    """Replay ``workload`` under every configuration of ``configurations(policies, chunk_sizes)``, in that
+    order, each on a fresh engine that shares the loaded weights; returns one result per configuration.
+
+    model, engine_options: as for ``LLMEngine`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ``dtype``,
+    ``device``, ...). engine: an already loaded engine to take the weights from (``model`` is then unused).
+    """
+    results = []
+    current = engine
+    for policy, chunk in configurations(policies, chunk_sizes):
+        current = build_engine(model, policy, chunk, current, **engine_options)
+        warm_up(current)
+        results.append(replay(current, workload, chunk_size=chunk, progress=progress))
+        s = results[-1].summary()
+        logger.info("%s: %d requests in %.0f s, P99 TBT %.3f s, P50 TTFT %.3f s", results[-1].label,
+                    s["num_requests"], results[-1].meta["wall_time"], s["tbt_p99"] or 0.0, s["ttft_p50"] or 0.0)
+    return results
+
+
+def build_engine(model: str | Path | None, policy: str, chunk_size: int | None, share: LLMEngine | None = None,
+                 **engine_options: Any) -> LLMEngine:
+    """An engine for one configuration; with ``share``, it reuses that engine's weights (see ``LLMEngine``)."""
+    if share is not None:
+        model = share.model_path
+        engine_options = {"dtype": share.dtype, "device": share.device, **engine_options}
+    return LLMEngine(model, scheduler=policy, chunk_size=chunk_size or 512, share_model_with=share,
+                     **engine_options)
+
+
+def capacity(workload: Workload, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
+             chunk_size: int = 256, qps_low: float, qps_high: float, num_probes: int = 5,
+             model: str | Path | None = None, progress: bool = True, engine: LLMEngine | None = None,
+             **engine_options: Any) -> list[CapacityResult]:
+    """Serving capacity of each policy (chunked ones at ``chunk_size``): ``search_capacity`` over
+    ``[qps_low, qps_high]`` requests/s, each probe a real-time replay of ``workload.at_qps(qps)`` (the same
+    requests and lengths, Poisson arrivals from the workload's seed scaled to the rate)."""
+    out = []
+    current = engine
+    for policy in policies:
+        chunk = chunk_size if policy in CHUNKED_POLICIES else None
+        current = build_engine(model, policy, chunk, current, **engine_options)
+        warm_up(current)
+        probe = _probe(current, workload, chunk, progress)
+        out.append(search_capacity(probe, slo, qps_low, qps_high, num_probes, label=config_label(policy, chunk)))
+    return out
+
+
+def _probe(engine: LLMEngine, workload: Workload, chunk: int | None, progress: bool
+           ) -> Callable[[float], BenchResult]:
+    return lambda qps: replay(engine, workload.at_qps(qps), chunk_size=chunk, progress=progress)
+
+
+def _progress(total: int, label: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", leave=False)
+
+
+# ---------------------------------------------------------------------- cost per token
+
+
+@dataclass(slots=True)
+class BatchCost:
+    """One batch shape's step time: ``step_time`` (seconds, median over repeats) and ``ms_per_token``."""
+
+    batch: str
+    num_decodes: int
+    num_prefill_tokens: int
+    step_time: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decodes + self.num_prefill_tokens
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.step_time / self.num_tokens
+
+
+@dataclass(slots=True)
+class CostPerToken:
+    """Per-token cost of batches of equal token count on this machine (Sarathi-Serve's Table 2).
+
+    rows: ``decode-only``, ``hybrid``, ``prefill-only`` (``num_tokens`` tokens each), and ``single decode``
+    (one decode alone). ``context_len``: cached tokens each decode attends to.
+    """
+
+    num_tokens: int
+    context_len: int
+    rows: list[BatchCost]
+    machine: str
+
+    def row(self, batch: str) -> BatchCost:
+        return next(r for r in self.rows if r.batch == batch)
+
+    @property
+    def decode_prefill_ratio(self) -> float:
+        """Per-token cost of the decode-only batch over that of the prefill-only batch."""
+        return self.row("decode-only").ms_per_token / self.row("prefill-only").ms_per_token
+
+    @property
+    def prefill_tokens_per_decode(self) -> float:
+        """How many prefill tokens (at the prefill-only batch's per-token cost) one lone decode step costs."""
+        return 1000 * self.row("single decode").step_time / self.row("prefill-only").ms_per_token
+
+    def table(self) -> str:
+        lines = [f"{'batch':<14} {'decodes':>8} {'prefill tok':>11} {'step ms':>9} {'ms/token':>9}"]
+        lines += [f"{r.batch:<14} {r.num_decodes:>8} {r.num_prefill_tokens:>11} {1000 * r.step_time:>9.1f} "
+                  f"{r.ms_per_token:>9.2f}" for r in self.rows]
+        lines.append(f"decode/prefill per-token cost: {self.decode_prefill_ratio:.1f}x; one lone decode step costs "
+                     f"as much as {self.prefill_tokens_per_decode:.0f} prefill tokens")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens, "context_len": self.context_len, "machine": self.machine,
+                "decode_prefill_ratio": self.decode_prefill_ratio,
+                "prefill_tokens_per_decode": self.prefill_tokens_per_decode,
+                "rows": [{**asdict(r), "ms_per_token": r.ms_per_token} for r in self.rows]}
+
+
+def cost_per_token(engine: LLMEngine, num_tokens: int = 128, context_len: int = 128, repeats: int = 5,
+                   seed: int = 0) -> CostPerToken:
+    """Time ``engine``'s model runner on batches of ``num_tokens`` tokens: all decodes (each with
+    ``context_len`` cached tokens), half decodes and half one prompt chunk, one prompt chunk alone; and a single
+    decode. Each is run once to warm up, then ``repeats`` times; the median step time counts. The batches are
+    built directly (no scheduler) on the engine's KV pool, whose contents do not matter for timing.
+    Raises ``ValueError`` if the pool cannot hold the decodes' contexts."""
+    if num_tokens < 2 or context_len < 1 or repeats < 1:
+        raise ValueError("need num_tokens >= 2, context_len >= 1, repeats >= 1")
+    if engine.has_unfinished_requests():
+        raise ValueError("cost_per_token needs an idle engine (it writes into the KV pool)")
+    bs = engine.scheduler_config.block_size
+    per_decode = -(-(context_len + 1) // bs)
+    need = num_tokens * per_decode + -(-num_tokens // bs)
+    if need > engine.scheduler_config.num_blocks:
+        raise ValueError(f"cost_per_token needs {need} KV blocks, the pool has {engine.scheduler_config.num_blocks}"
+                         f"; lower num_tokens or context_len")
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+
+    def batch(num_decodes: int, prefill_len: int) -> SchedulerOutput:
+        """Decode ``i`` owns blocks ``[i * per_decode, (i + 1) * per_decode)``; the prompt chunk the next ones."""
+        out = SchedulerOutput()
+        for i in range(num_decodes):
+            out.add(ScheduledRequest(f"d{i}", context_len, 1, [int(rng.integers(vocab))],
+                                     list(range(i * per_decode, (i + 1) * per_decode)), True, False))
+        if prefill_len:
+            first = num_decodes * per_decode
+            out.add(ScheduledRequest("p", 0, prefill_len, rng.integers(vocab, size=prefill_len).tolist(),
+                                     list(range(first, first + -(-prefill_len // bs))), True, True))
+        return out
+
+    half = num_tokens // 2
+    shapes = {"decode-only": batch(num_tokens, 0), "hybrid": batch(half, num_tokens - half),
+              "prefill-only": batch(0, num_tokens), "single decode": batch(1, 0)}
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    rows = []
+    for name, out in shapes.items():
+        params = {s.request_id: greedy for s in out.scheduled}
+        engine.runner.execute(out, params)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.runner.execute(out, params)
+            times.append(time.perf_counter() - t0)
+        rows.append(BatchCost(name, out.num_decodes, out.num_prefill_tokens, statistics.median(times)))
+    return CostPerToken(num_tokens, context_len, rows, machine())

@@ -1,0 +1,203 @@
+"""``sarathi-lite bench`` and ``sarathi-lite capacity``: the serving benchmark from the command line.
+
+bench: replay a workload online under each configuration (``--policies`` x ``--chunk-sizes``), print one table,
+write JSON/CSV (and with ``--plot`` a PNG) to ``--out``; ``--cost-per-token`` times equal-size decode, hybrid
+and prefill batches instead. capacity: per policy, binary-search the highest rate (requests/s) that meets a P99
+TBT SLO and a median scheduling-delay bound.
+
+The default workload (about 2.5 minutes for the two default configurations on a 2-core CPU with SmolLM2-135M):
+the first 32 requests of the conversation trace, lengths scaled by 1/4 and capped at 256 prompt / 64 output
+tokens, Poisson arrivals at 0.5 requests/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.scheduler import POLICIES
+
+TRACES_ENV = "SARATHI_LITE_TRACES"
+DEFAULT_TRACE_NAME = "splitwise_conv.csv"
+
+
+def default_trace() -> Path | None:
+    """The conversation trace: in ``$SARATHI_LITE_TRACES``, else in ``shared/traces`` next to the checkout."""
+    folder = os.environ.get(TRACES_ENV)
+    candidates = [Path(folder)] if folder else []
+    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "traces")
+    return next((c / DEFAULT_TRACE_NAME for c in candidates if (c / DEFAULT_TRACE_NAME).is_file()), None)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload options shared by ``bench`` and ``capacity``."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", type=Path, default=None,
+                   help=f"trace CSV (default: {DEFAULT_TRACE_NAME} from ${TRACES_ENV} or shared/traces)")
+    g.add_argument("--lengths", default=None,
+                   help="synthetic lengths instead of a trace: fixed:P:O | uniform:PMIN-PMAX:OMIN-OMAX | "
+                        "zipf:PMIN-PMAX:OMIN-OMAX[:THETA]")
+    g.add_argument("--num-requests", type=int, default=32)
+    g.add_argument("--start", type=int, default=0, help="first trace row")
+    g.add_argument("--qps", type=float, default=0.5,
+                   help="Poisson arrivals at this rate (requests/s); 0: the trace's own arrival times")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --qps 0: multiply the trace's arrival times (2 halves the rate)")
+    g.add_argument("--prompt-scale", type=float, default=0.25, help="scale prompt lengths (before clipping)")
+    g.add_argument("--output-scale", type=float, default=0.25, help="scale output lengths (before clipping)")
+    g.add_argument("--max-prompt", type=int, default=256, help="clip prompt lengths (tokens)")
+    g.add_argument("--max-output", type=int, default=64, help="clip output lengths (tokens)")
+    g.add_argument("--seed", type=int, default=0, help="seed of arrivals, synthetic lengths and prompt tokens")
+
+
+def build_workload(args: argparse.Namespace) -> Any:
+    from sarathi_lite.workload import Workload
+
+    qps = args.qps or None
+    if args.lengths:
+        return Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps, max_prompt=args.max_prompt,
+                                  max_output=args.max_output, seed=args.seed)
+    trace = args.trace or default_trace()
+    if trace is None:
+        raise ValueError(f"no trace found: give --trace CSV, set ${TRACES_ENV}, or use --lengths")
+    return Workload.from_trace(trace, num_requests=args.num_requests, start=args.start, qps=qps,
+                               time_scale=args.time_scale, prompt_scale=args.prompt_scale,
+                               output_scale=args.output_scale, max_prompt=args.max_prompt,
+                               max_output=args.max_output, seed=args.seed)
+
+
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",") if x]
+
+    return parse
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    from sarathi_lite.cli import engine_kwargs
+
+    options = engine_kwargs(args)
+    del options["scheduler"], options["chunk_size"]
+    return options
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    """``--policies``, else ``--scheduler``, else sarathi and vllm."""
+    policies = args.policies or ([args.scheduler] if args.scheduler else ["sarathi", "vllm"])
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    return policies
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sarathi_lite import bench
+    from sarathi_lite.results import compare, save_results
+
+    if args.cost_per_token:
+        return _cost_per_token(args)
+    workload = build_workload(args)
+    print(f"workload: {workload.describe()}")
+    results = bench.run(workload, policies=_policies(args), chunk_sizes=args.chunk_sizes or [args.chunk_size],
+                        model=args.model, progress=not args.no_progress, **_engine_options(args))
+    print(f"\n{results[0].meta['machine']}; load average {results[0].meta['load_average_start'][0]:.2f} at start")
+    print(compare(results))
+    paths = save_results(results, args.out)
+    if args.plot:
+        from sarathi_lite.plots import plot_results
+
+        paths.append(plot_results(results, Path(args.out) / "bench.png"))
+    print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
+    return 0
+
+
+def _cost_per_token(args: argparse.Namespace) -> int:
+    from sarathi_lite import bench
+
+    engine = bench.build_engine(args.model, args.scheduler or "sarathi", args.chunk_size, **_engine_options(args))
+    cost = bench.cost_per_token(engine, num_tokens=args.cost_tokens, context_len=args.cost_context)
+    print(f"{cost.machine}\nbatches of {cost.num_tokens} tokens, decodes with {cost.context_len} cached tokens each")
+    print(cost.table())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost_per_token.json").write_text(json.dumps(cost.to_dict(), indent=1))
+    print(f"wrote {out / 'cost_per_token.json'}")
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from sarathi_lite import bench
+    from sarathi_lite.capacity import SLO
+
+    workload = build_workload(args)
+    slo = SLO(args.tbt_slo, args.max_scheduling_delay)
+    print(f"workload: {workload.describe()} (arrivals re-drawn per probe)")
+    print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
+    found = bench.capacity(workload, slo, policies=_policies(args), chunk_size=args.chunk_size,
+                           qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, model=args.model,
+                           progress=not args.no_progress, **_engine_options(args))
+    print(capacity_table(found))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
+    print(f"wrote {out / 'capacity.json'}")
+    return 0
+
+
+def capacity_table(found: list[Any]) -> str:
+    """One row per policy: capacity (requests/s), the lowest failing rate, and every probe."""
+    lines = [f"{'config':<14} {'capacity req/s':>14} {'fails at':>9}  probes (req/s: P99 TBT ms, median delay s)"]
+    for c in found:
+        cap = "< range" if c.capacity is None else f"{c.capacity:.3f}"
+        fail = "-" if c.failed_above is None else f"{c.failed_above:.3f}"
+        probes = ", ".join(f"{p.qps:.3f}{'+' if p.passed else 'x'}: {_ms(p.tbt_p99)}/{_s(p.scheduling_delay_p50)}"
+                           for p in c.probes)
+        lines.append(f"{c.label:<14} {cap:>14} {fail:>9}  {probes}")
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1000 * v:.0f}"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def add_bench_parsers(sub: Any) -> None:
+    """Add ``bench`` and ``capacity`` to the ``sarathi-lite`` subcommands."""
+    from sarathi_lite.cli import add_engine_args
+
+    b = sub.add_parser("bench", help="replay a workload online under several scheduler configurations",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(b)
+    add_workload_args(b)
+    b.add_argument("--policies", type=_csv(str), default=None,
+                   help=f"comma-separated, of {','.join(POLICIES)} (default: --scheduler, else sarathi,vllm)")
+    b.add_argument("--chunk-sizes", type=_csv(int), default=None,
+                   help="comma-separated chunk sizes for the chunked policies (default: --chunk-size)")
+    b.add_argument("--out", default="results/bench", help="folder for JSON, CSV and the plot")
+    b.add_argument("--plot", action="store_true", help="also write bench.png")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--cost-per-token", action="store_true",
+                   help="instead: time decode-only, hybrid and prefill-only batches of equal size")
+    b.add_argument("--cost-tokens", type=int, default=128, help="tokens per batch for --cost-per-token")
+    b.add_argument("--cost-context", type=int, default=128, help="cached tokens per decode for --cost-per-token")
+    b.set_defaults(func=cmd_bench, scheduler=None)
+
+    c = sub.add_parser("capacity", help="highest rate meeting a P99 TBT SLO and a median scheduling delay bound")
+    add_engine_args(c)
+    add_workload_args(c)
+    c.add_argument("--policies", type=_csv(str), default=None,
+                   help="comma-separated (default: --scheduler, else sarathi,vllm)")
+    c.add_argument("--tbt-slo", type=float, required=True, help="P99 TBT bound (seconds)")
+    c.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
+    c.add_argument("--qps-low", type=float, default=0.1)
+    c.add_argument("--qps-high", type=float, default=2.0)
+    c.add_argument("--probes", type=int, default=5, help="runs per policy")
+    c.add_argument("--out", default="results/capacity")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=cmd_capacity, scheduler=None)
