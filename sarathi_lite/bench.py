@@ -250,6 +250,11 @@ class CostPerToken:
                 "rows": [{**asdict(r), "ms_per_token": r.ms_per_token} for r in self.rows]}
 
 
+def cost_per_token_blocks(num_tokens: int, context_len: int, block_size: int) -> int:
+    """KV blocks ``cost_per_token`` needs: ``num_tokens`` decodes of ``context_len + 1`` tokens and one chunk."""
+    return num_tokens * -(-(context_len + 1) // block_size) + -(-num_tokens // block_size)
+
+
 def cost_per_token(engine: LLMEngine, num_tokens: int = 128, context_len: int = 128, repeats: int = 5,
                    seed: int = 0) -> CostPerToken:
     """Time ``engine``'s model runner on batches of ``num_tokens`` tokens: all decodes (each with
@@ -263,7 +268,7 @@ def cost_per_token(engine: LLMEngine, num_tokens: int = 128, context_len: int = 
         raise ValueError("cost_per_token needs an idle engine (it writes into the KV pool)")
     bs = engine.scheduler_config.block_size
     per_decode = -(-(context_len + 1) // bs)
-    need = num_tokens * per_decode + -(-num_tokens // bs)
+    need = cost_per_token_blocks(num_tokens, context_len, bs)
     if need > engine.scheduler_config.num_blocks:
         raise ValueError(f"cost_per_token needs {need} KV blocks, the pool has {engine.scheduler_config.num_blocks}"
                          f"; lower num_tokens or context_len")

@@ -51,6 +51,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt", type=int, default=256, help="clip prompt lengths (tokens)")
     g.add_argument("--max-output", type=int, default=64, help="clip output lengths (tokens)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, synthetic lengths and prompt tokens")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is steadier on a CPU shared with other work)")
 
 
 def build_workload(args: argparse.Namespace) -> Any:
@@ -77,8 +79,13 @@ def _csv(kind: type) -> Any:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLMEngine`` options from the shared engine flags; also applies ``--threads``."""
     from sarathi_lite.cli import engine_kwargs
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     options = engine_kwargs(args)
     del options["scheduler"], options["chunk_size"]
     return options
@@ -117,7 +124,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _cost_per_token(args: argparse.Namespace) -> int:
     from sarathi_lite import bench
 
-    engine = bench.build_engine(args.model, args.scheduler or "sarathi", args.chunk_size, **_engine_options(args))
+    options = _engine_options(args)
+    if options["num_kv_blocks"] is None:
+        options["num_kv_blocks"] = bench.cost_per_token_blocks(args.cost_tokens, args.cost_context, args.block_size)
+    engine = bench.build_engine(args.model, args.scheduler or "sarathi", args.chunk_size, **options)
     cost = bench.cost_per_token(engine, num_tokens=args.cost_tokens, context_len=args.cost_context)
     print(f"{cost.machine}\nbatches of {cost.num_tokens} tokens, decodes with {cost.context_len} cached tokens each")
     print(cost.table())
