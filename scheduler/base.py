@@ -101,11 +101,18 @@ class Scheduler:
 
         sampled: the token id sampled for every scheduled request with ``sample=True``.
         Returns the requests that finished (``finish_reason`` is ``"stop"`` or ``"length"``); their blocks are
-        free again. Requests aborted since ``schedule()`` are skipped.
+        free again. Requests aborted since ``schedule()`` are skipped. Raises ``ValueError``, having changed
+        nothing, if a token is missing.
         """
         finished: list[Request] = []
         max_len = self.config.max_model_len
         requests = self.requests
+        for s in output.scheduled:  # check before changing anything, so a bad call leaves the state as it was
+            if s.sample and sampled.get(s.request_id) is None:
+                req = requests.get(s.request_id)
+                if req is not None and req.status is RUNNING:
+                    raise ValueError(
+                        f"no sampled token given for request {s.request_id!r}, which sampled this step")
         for s in output.scheduled:
             req = requests.get(s.request_id)
             if req is None or req.status is not RUNNING:
@@ -113,13 +120,12 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             if not s.sample:
                 continue
-            token = sampled.get(s.request_id)
-            if token is None:
-                raise ValueError(f"no sampled token given for request {s.request_id!r}, which sampled this step")
-            req.output_token_ids.append(token)
+            token = sampled[s.request_id]
+            outputs = req.output_token_ids
+            outputs.append(token)
             if token in req.stop_token_ids:
                 reason = "stop"
-            elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= max_len:
+            elif len(outputs) >= req.max_tokens or len(req.prompt_token_ids) + len(outputs) >= max_len:
                 reason = "length"
             else:
                 continue
@@ -157,7 +163,9 @@ class Scheduler:
         running = self.running
         free = self.block_manager._free
         bs = self.config.block_size
+        add_row = out.scheduled.append
         prefills: list[Request] = []
+        num_decodes = 0
         i = 0
         while i < len(running):
             req = running[i]
@@ -175,10 +183,10 @@ class Scheduler:
                 if req.status is not RUNNING:
                     break
                 blocks.append(free.pop())
-            out.scheduled.append(ScheduledRequest(
-                req.request_id, computed, 1, [req.output_token_ids[-1]], blocks, True, False))
-            out.num_decode_tokens += 1
-            out.num_decodes += 1
+            add_row(ScheduledRequest(req.request_id, computed, 1, [req.output_token_ids[-1]], blocks, True, False))
+            num_decodes += 1
+        out.num_decode_tokens += num_decodes
+        out.num_decodes += num_decodes
         return prefills
 
     def _prefill_cap(self, req: Request) -> int:
