@@ -127,17 +127,18 @@ def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = No
 
 
 def run(workload: Workload, *, policies: Sequence[str] = ("sarathi",), chunk_sizes: Sequence[int] = (256,),
-        model: str | Path | None = None, progress: bool = True, engine: LLMEngine | None = None,
-        **engine_options: Any) -> list[BenchResult]:
-    """Replay ``workload`` under every configuration of ``configurations(policies, chunk_sizes)``, in that
-    order, each on a fresh engine that shares the loaded weights; returns one result per configuration.
+        configs: Sequence[tuple[str, int | None]] | None = None, model: str | Path | None = None,
+        progress: bool = True, engine: LLMEngine | None = None, **engine_options: Any) -> list[BenchResult]:
+    """Replay ``workload`` under every configuration of ``configurations(policies, chunk_sizes)`` (or the
+    ``(policy, chunk_size)`` pairs of ``configs``), in that order, each on a fresh engine that shares the loaded
+    weights; returns one result per configuration.
 
     model, engine_options: as for ``LLMEngine`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ``dtype``,
     ``device``, ...). engine: an already loaded engine to take the weights from (``model`` is then unused).
     """
     results = []
     current = engine
-    for policy, chunk in configurations(policies, chunk_sizes):
+    for policy, chunk in configs if configs is not None else configurations(policies, chunk_sizes):
         current = build_engine(model, policy, chunk, current, **engine_options)
         warm_up(current)
         results.append(replay(current, workload, chunk_size=chunk, progress=progress))

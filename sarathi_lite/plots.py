@@ -6,6 +6,9 @@
 - the CDF of every TBT gap, one line per configuration: stalls are the long right tails;
 - per configuration, the token timeline: one bar per iteration spanning its step time, its height the prefill
   tokens stacked on the decode tokens it ran. A prefill-only stall shows as a wide bar with no decode part.
+
+``plot_capacity(found, "capacity.png")`` draws each capacity search's probes: P99 TBT and median scheduling
+delay against the rate, with the SLO bounds.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from sarathi_lite.capacity import CapacityResult
 from sarathi_lite.results import BenchResult
 
 DECODE_COLOR = "tab:blue"
@@ -96,3 +100,41 @@ def plot_results(results: Sequence[BenchResult], path: str | Path, max_timelines
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_capacity(found: Sequence[CapacityResult], path: str | Path) -> Path:
+    """P99 TBT (ms) and median scheduling delay (s) of every probe against its rate (requests/s), one line per
+    configuration, with the SLO bounds dashed and each capacity marked; writes a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tbt_ax, delay_ax) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    for c in found:
+        probes = sorted(c.probes, key=lambda p: p.qps)
+        qps = [p.qps for p in probes]
+        line, = tbt_ax.plot(qps, [_ms(p.tbt_p99) for p in probes], marker="o", label=c.label)
+        delay_ax.plot(qps, [p.scheduling_delay_p50 for p in probes], marker="o", color=line.get_color(),
+                      label=c.label)
+        if c.capacity is not None:
+            tbt_ax.axvline(c.capacity, color=line.get_color(), alpha=0.4, linestyle=":")
+    if found:
+        tbt_ax.axhline(1000 * found[0].slo.tbt_p99, color="black", linestyle="--", label="SLO")
+        delay_ax.axhline(found[0].slo.scheduling_delay_p50, color="black", linestyle="--", label="bound")
+    tbt_ax.set_yscale("log")
+    tbt_ax.set(xlabel="arrival rate (requests/s)", ylabel="P99 TBT (ms)", title="P99 TBT per probe (dotted: capacity)")
+    delay_ax.set(xlabel="arrival rate (requests/s)", ylabel="median scheduling delay (s)",
+                 title="median scheduling delay per probe")
+    for ax in (tbt_ax, delay_ax):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _ms(seconds: float | None) -> float:
+    return float("nan") if seconds is None else 1000 * seconds

@@ -81,3 +81,11 @@ def test_capacity_result_serializes_without_the_runs():
     d = found.to_dict()
     assert d["label"] == "sarathi/64" and d["capacity"] == found.capacity and len(d["probes"]) == 4
     assert set(d["probes"][0]) == {"qps", "passed", "tbt_p99", "scheduling_delay_p50"}
+
+
+def test_capacity_plot_writes_a_png(tmp_path):
+    from sarathi_lite.plots import plot_capacity
+
+    found = [search_capacity(FakeRunner(cap), SLO(0.3), 0.5, 2.0, num_probes=4, label=f"c{cap}") for cap in (1, 3)]
+    data = plot_capacity(found, tmp_path / "capacity.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
