@@ -228,7 +228,8 @@ class Scheduler:
         waiting = self.waiting
         held_back: list[Request] = []
         used = 0
-        while waiting and used < budget and len(self.running) < cfg.max_num_seqs:
+        max_seqs = cfg.max_running
+        while waiting and used < budget and len(self.running) < max_seqs:
             if self.chunked and num_partial >= max_partial:
                 break
             req = waiting[0]

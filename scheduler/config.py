@@ -18,11 +18,13 @@ class SchedulerConfig:
     policy: one of ``POLICIES``. ``sarathi`` (stall-free hybrid batches) is the default; the others are the
         baselines of the Sarathi-Serve paper (see ``sarathi_lite.scheduler.policies``).
     chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``).
-    max_num_seqs: most requests running (holding KV blocks) at once.
+    max_num_seqs: most requests running (holding KV blocks) at once; never more than the token budget, so a
+        decode-only iteration always fits the budget (see ``max_running``).
     max_num_batched_tokens: the token budget of one iteration for the unchunked policies (``vllm``, ``orca``,
         ``request_level``), which must fit any whole prompt in one step; ``None`` means
         ``max(max_model_len, 2048)``, as in vLLM.
-    max_model_len: most tokens (prompt + output) one request may reach.
+    max_model_len: longest prompt accepted; generation stops once prompt + output reach it (a prompt of exactly
+        this length still samples one token, as in vLLM).
     block_size: tokens per KV block.
     num_blocks: blocks in the KV pool; ``None`` means enough for ``max_num_seqs`` requests of ``max_model_len``.
     watermark: fraction of the pool kept free when admitting a new request while others run, so running
@@ -72,6 +74,11 @@ class SchedulerConfig:
     def token_budget(self) -> int:
         """Tokens one iteration may hold: ``chunk_size`` for chunked policies, else ``max_num_batched_tokens``."""
         return self.chunk_size if self.policy in CHUNKED_POLICIES else self.max_num_batched_tokens
+
+    @property
+    def max_running(self) -> int:
+        """Requests that may run at once: ``max_num_seqs``, capped by the token budget."""
+        return min(self.max_num_seqs, self.token_budget)
 
     @property
     def watermark_blocks(self) -> int:

@@ -471,3 +471,17 @@ def test_block_manager_rejects_an_empty_pool_and_over_allocation() -> None:
     pool = BlockManager(2, 4)
     with pytest.raises(RuntimeError, match=r"asked for 3 blocks with 2 free"):
         pool.allocate(3)
+
+
+@pytest.mark.parametrize("policy, budget", [("simple_chunking", {"chunk_size": 4}),
+                                            ("vllm", {"max_num_batched_tokens": 4, "max_model_len": 4})])
+def test_running_requests_are_capped_by_the_token_budget_so_decode_steps_fit_it(policy: str, budget: dict) -> None:
+    # max_num_seqs=8 but a budget of 4 tokens: a decode-only iteration of 8 requests would overrun it.
+    sched = make_scheduler(SchedulerConfig(**{"policy": policy, "max_model_len": 64, "max_num_seqs": 8,
+                                              "num_blocks": 256, "block_size": 4, **budget}))
+    assert sched.config.max_running == 4
+    for i in range(8):
+        sched.add(req(f"r{i}", 1, max_tokens=3))
+    while sched.has_unfinished():
+        out = step(sched)
+        assert out.num_batched_tokens <= 4 and len(sched.running) <= 4
