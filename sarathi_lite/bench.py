@@ -31,7 +31,7 @@ import torch
 
 from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.engine import LLMEngine
-from sarathi_lite.results import BenchResult, config_label
+from sarathi_lite.results import BenchResult, config_label, configurations, run_config
 from sarathi_lite.sampling_params import SamplingParams
 from sarathi_lite.scheduler import CHUNKED_POLICIES, ScheduledRequest, SchedulerOutput
 from sarathi_lite.workload import Workload
@@ -41,24 +41,11 @@ logger = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "warmup"
 
 
-def configurations(policies: Sequence[str], chunk_sizes: Sequence[int]) -> list[tuple[str, int | None]]:
-    """``(policy, chunk_size)`` pairs to run: each chunked policy at every chunk size, every other policy once
-    (chunk size ``None``: it does not chunk)."""
-    pairs: list[tuple[str, int | None]] = []
-    for policy in policies:
-        pairs += [(policy, c) for c in chunk_sizes] if policy in CHUNKED_POLICIES else [(policy, None)]
-    return pairs
-
-
 def engine_config(engine: LLMEngine, chunk_size: int | None) -> dict[str, Any]:
-    """The configuration record of a result: policy, chunk size (``None`` for unchunked policies), the token
-    budget, and the model and engine settings that shape timing."""
-    cfg = engine.scheduler_config
-    return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
-            "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
-            "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len, "model": engine.model_path.name,
-            "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
-            "attention_backend": engine.runner.attention_backend}
+    """The configuration record (``run_config``) of a result of ``engine``."""
+    return run_config(engine.scheduler_config, chunk_size, model=engine.model_path.name,
+                      dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
+                      attention_backend=engine.runner.attention_backend)
 
 
 def machine() -> str:

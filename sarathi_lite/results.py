@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
-from sarathi_lite.scheduler import CHUNKED_POLICIES
+from sarathi_lite.scheduler import CHUNKED_POLICIES, SchedulerConfig
 from sarathi_lite.workload import Workload
 
 SCHEMA = "sarathi-lite/bench-result/1"
@@ -28,6 +28,25 @@ SCHEMA = "sarathi-lite/bench-result/1"
 def config_label(policy: str, chunk_size: int) -> str:
     """``"sarathi/256"`` for chunked policies; the policy alone for the others (their chunk size is unused)."""
     return f"{policy}/{chunk_size}" if policy in CHUNKED_POLICIES else policy
+
+
+def configurations(policies: Sequence[str], chunk_sizes: Sequence[int]) -> list[tuple[str, int | None]]:
+    """``(policy, chunk_size)`` pairs to run: each chunked policy at every chunk size, every other policy once
+    (chunk size ``None``: it does not chunk)."""
+    pairs: list[tuple[str, int | None]] = []
+    for policy in policies:
+        pairs += [(policy, c) for c in chunk_sizes] if policy in CHUNKED_POLICIES else [(policy, None)]
+    return pairs
+
+
+def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str, dtype: str, device: str,
+               attention_backend: str) -> dict[str, Any]:
+    """The configuration record of a result: policy, chunk size (``None`` for unchunked policies), the token
+    budget and KV pool, and the model and engine settings that shape timing (for a simulation: what it models)."""
+    return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
+            "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
+            "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len, "model": model, "dtype": dtype,
+            "device": device, "attention_backend": attention_backend}
 
 
 @dataclass(slots=True)
