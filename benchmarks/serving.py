@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -131,6 +132,9 @@ def checks(by_label: dict[str, BenchResult], sweep: list[BenchResult], found: li
 
 def main() -> None:
     args = parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("sarathi_lite.bench", "sarathi_lite.capacity"):  # each run's and each probe's outcome
+        logging.getLogger(name).setLevel(logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
