@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -22,10 +23,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepResult:
-    """Sampled tokens (and logprobs when asked) of one step, keyed by request id."""
+    """Sampled tokens (and logprobs when asked) of one step, keyed by request id, and where the step's host
+    time went (seconds): building inputs and attention metadata, the forward pass with the logits of the
+    sampling rows (on CUDA: their launch; the wait shows up in sampling), and sampling."""
 
     tokens: dict[str, int]
     logprobs: dict[str, Any]
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -73,6 +79,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> StepResult:
         """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens."""
+        t0 = time.perf_counter()
         scheduled = out.scheduled
         q_lens = [s.num_new_tokens for s in scheduled]
         kv_lens = [s.num_computed_tokens + s.num_new_tokens for s in scheduled]
@@ -83,13 +90,16 @@ class ModelRunner:
         self._bind()
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in scheduled)), dtype=torch.int64
                                  ).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, meta.positions)
         rows = [i for i, s in enumerate(scheduled) if s.sample]
-        if not rows:
-            return StepResult({}, {})
         last = torch.from_numpy(meta.qo_indptr_host[1:][rows].astype(np.int64) - 1).to(self.device)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, meta.positions)
+        if not rows:
+            return StepResult({}, {}, t1 - t0, time.perf_counter() - t1)
         logits = self.model.compute_logits(hidden.index_select(0, last))
+        t2 = time.perf_counter()
         ids = [scheduled[i].request_id for i in rows]
         tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids])
         return StepResult(dict(zip(ids, tokens)),
-                          {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None})
+                          {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
+                          t1 - t0, t2 - t1, time.perf_counter() - t2)
