@@ -39,8 +39,8 @@ def configurations(policies: Sequence[str], chunk_sizes: Sequence[int]) -> list[
     return pairs
 
 
-def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str, dtype: str, device: str,
-               attention_backend: str) -> dict[str, Any]:
+def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str | None, dtype: str | None,
+               device: str | None, attention_backend: str | None) -> dict[str, Any]:
     """The configuration record of a result: policy, chunk size (``None`` for unchunked policies), the token
     budget and KV pool, and the model and engine settings that shape timing (for a simulation: what it models)."""
     return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,

@@ -1,0 +1,153 @@
+"""Discrete-event simulation of online serving: the real scheduler, a predicted step time.
+
+The simulator drives the very classes the engine uses (``sarathi_lite.scheduler``) and feeds the same
+``MetricsRecorder``; only the forward pass is replaced by a ``CostModel``'s predicted step time. Its loop is
+``sarathi_lite.bench.replay``'s on a simulated clock:
+
+- before each iteration, every request whose arrival time has passed by the iteration's start is added, in
+  arrival order (an arrival during an iteration is seen by the next one);
+- iterations run back to back while anything is unfinished, each starting ``cost_model.start_time(ready)``
+  (the previous end plus the host's gap between steps);
+- when nothing is unfinished, the clock jumps to the next arrival;
+- each non-empty iteration is recorded as ``record_step(out, start, start + schedule_time, start + step_time)``.
+
+It returns the same ``BenchResult`` (and JSON schema) as the real-time replay, with ``meta["replay"] ==
+"simulated"``, so predicted and measured runs compare column by column and plot alike.
+
+>>> from sarathi_lite.sim import load_cost_model, run
+>>> from sarathi_lite.workload import Workload
+>>> wl = Workload.from_trace("splitwise_conv.csv", num_requests=1000, qps=2.0)
+>>> results = run(wl, load_cost_model("roofline:h100:llama3-8b"), policies=["sarathi", "vllm"],
+...               chunk_sizes=[256, 512, 1024])
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
+from sarathi_lite.cost_model import CostModel, LinearCostModel
+from sarathi_lite.metrics import MetricsRecorder
+from sarathi_lite.results import BenchResult, config_label, configurations, run_config
+from sarathi_lite.roofline import roofline
+from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, make_scheduler
+from sarathi_lite.workload import Workload
+
+ROOFLINE_PREFIX = "roofline:"
+
+
+def load_cost_model(spec: str | Path) -> CostModel:
+    """A cost model from ``spec``: a profile JSON file (``sarathi-lite profile``), or ``roofline:HW[:MODEL]``
+    with a hardware preset (``a100-80gb``, ``h100``, ``h200``) and a model shape preset (``llama3-8b``, the
+    default; ``mistral-7b``, ``smollm2-135m``) or a Hugging Face config.json / checkpoint folder."""
+    text = str(spec)
+    if text.startswith(ROOFLINE_PREFIX):
+        hw, _, model = text[len(ROOFLINE_PREFIX):].partition(":")
+        return roofline(hw, model or "llama3-8b")
+    if not Path(text).is_file():
+        raise ValueError(f"cost model {text!r} is neither a profile JSON file nor roofline:HW[:MODEL]")
+    return LinearCostModel.load(text)
+
+
+def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *, max_num_seqs: int = 128,
+                     block_size: int = 16, num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                     **options: Any) -> SchedulerConfig:
+    """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment.
+
+    num_kv_blocks: ``None`` derives it, as ``LLMEngine`` does, from the cost model's KV memory
+    (``kv_cache_memory // (kv_bytes_per_token * block_size)``). max_model_len: ``None`` means the model's
+    ``max_position_embeddings`` capped by the pool. chunk_size: ``None`` (unchunked policies) means 512, as
+    ``bench.build_engine``. options: further ``SchedulerConfig`` fields."""
+    if num_kv_blocks is None:
+        if cost_model.kv_cache_memory is None or cost_model.kv_bytes_per_token is None:
+            raise ValueError("this cost model does not know the KV memory of its deployment: give num_kv_blocks")
+        num_kv_blocks = cost_model.kv_cache_memory // (cost_model.kv_bytes_per_token * block_size)
+    if max_model_len is None:
+        max_model_len = num_kv_blocks * block_size
+        if cost_model.max_position_embeddings is not None:
+            max_model_len = min(cost_model.max_position_embeddings, max_model_len)
+    return SchedulerConfig(policy=policy, chunk_size=chunk_size or 512, max_num_seqs=max_num_seqs,
+                           block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
+
+
+def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *, chunk_size: int | None = None,
+             record_batches: bool = False) -> BenchResult:
+    """Serve ``workload`` under ``config`` on a simulated clock (seconds from 0) and return what it recorded.
+
+    Every request produces exactly its ``output_len`` tokens (as the real replay forces them). chunk_size:
+    recorded in the configuration (default: ``config.chunk_size`` for chunked policies, else ``None``).
+    record_batches: keep every iteration's ``(request_id, num_new_tokens)`` rows, as the engine's option.
+    Raises ``ValueError`` if a request does not fit ``config.max_model_len``.
+    """
+    too_long = [r.request_id for r in workload.requests if r.prompt_len + r.output_len > config.max_model_len]
+    if too_long:
+        raise ValueError(f"{len(too_long)} request(s) (e.g. {too_long[0]}) need more than max_model_len="
+                         f"{config.max_model_len} tokens; clip the workload (max_prompt, max_output)")
+    if chunk_size is None and config.policy in CHUNKED_POLICIES:
+        chunk_size = config.chunk_size
+    wall = time.perf_counter()
+    scheduler = make_scheduler(config)
+    metrics = MetricsRecorder(record_batches=record_batches)
+    specs = workload.requests
+    no_stop: frozenset[int] = frozenset()
+    start_time, predict, schedule, update = cost_model.start_time, cost_model.predict, scheduler.schedule, \
+        scheduler.update
+    record, add_metrics, add_request = metrics.record_step, metrics.add, scheduler.add
+    nxt, n = 0, len(specs)
+    ready = 0.0
+    while nxt < n or scheduler.requests:
+        if not scheduler.requests:
+            ready = max(ready, specs[nxt].arrival_time)
+        start = start_time(ready)
+        while nxt < n and specs[nxt].arrival_time <= start:
+            spec = specs[nxt]
+            add_request(Request(spec.request_id, [0] * spec.prompt_len, spec.output_len, no_stop, spec.arrival_time))
+            add_metrics(spec.request_id, spec.arrival_time, spec.prompt_len)
+            nxt += 1
+        out = schedule()
+        if not out.scheduled and scheduler.waiting and not scheduler.running:
+            raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
+        timing = predict(out)
+        ready = start + timing.step_time
+        finished = update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
+        if out.scheduled:
+            record(out, start, start + timing.schedule_time, ready, finished)
+    description = cost_model.describe()
+    config_record = run_config(config, chunk_size, model=description["model"], dtype=description["dtype"],
+                               device=description["device"], attention_backend=description["attention_backend"])
+    meta = {"replay": "simulated", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs",
+            "cost_model": description, "wall_time": time.perf_counter() - wall}
+    return BenchResult(config_record, workload, metrics.stats(), meta)
+
+
+def run(workload: Workload, cost_model: CostModel, *, policies: Sequence[str] = ("sarathi",),
+        chunk_sizes: Sequence[int] = (256,), configs: Sequence[tuple[str, int | None]] | None = None,
+        record_batches: bool = False, **config_options: Any) -> list[BenchResult]:
+    """Simulate ``workload`` under every configuration of ``configurations(policies, chunk_sizes)`` (or the
+    ``(policy, chunk_size)`` pairs of ``configs``), in that order; one result each, as ``bench.run``.
+    config_options: as for ``scheduler_config`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ...)."""
+    pairs = configs if configs is not None else configurations(policies, chunk_sizes)
+    return [simulate(workload, cost_model, scheduler_config(cost_model, policy, chunk, **config_options),
+                     chunk_size=chunk, record_batches=record_batches) for policy, chunk in pairs]
+
+
+def capacity(workload: Workload, cost_model: CostModel, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
+             chunk_size: int = 256, qps_low: float, qps_high: float, num_probes: int = 8,
+             **config_options: Any) -> list[CapacityResult]:
+    """Serving capacity of each policy (chunked ones at ``chunk_size``), as ``bench.capacity`` but simulated:
+    ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe ``workload.at_qps(qps)``."""
+    found = []
+    for policy in policies:
+        chunk = chunk_size if policy in CHUNKED_POLICIES else None
+        config = scheduler_config(cost_model, policy, chunk, **config_options)
+        found.append(search_capacity(lambda qps, c=config, k=chunk: simulate(workload.at_qps(qps), cost_model, c,
+                                                                            chunk_size=k),
+                                     slo, qps_low, qps_high, num_probes, label=config_label(policy, chunk)))
+    return found

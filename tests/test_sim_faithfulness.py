@@ -1,0 +1,116 @@
+"""The simulator runs the engine's own scheduler, so it makes the engine's decisions.
+
+Against real replays (``sarathi_lite.bench.run``) of a tiny model, every policy:
+
+- all requests at once: timing cannot change any decision, so any cost model gives the real batch sequence;
+- online arrivals: replaying the real run's measured step times (``ReplayCostModel``) gives the real batch
+  sequence and the same per-request timeline;
+- the result has the bench result's JSON schema, and a small KV pool makes both preempt alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sarathi_lite.bench import run as bench_run
+from sarathi_lite.cost_model import LinearCostModel, ReplayCostModel
+from sarathi_lite.results import BenchResult
+from sarathi_lite.roofline import roofline
+from sarathi_lite.scheduler import POLICIES, SchedulerConfig
+from sarathi_lite.sim import run as sim_run
+from sarathi_lite.sim import simulate
+from sarathi_lite.workload import RequestSpec, Workload
+
+ENGINE = dict(block_size=4, num_kv_blocks=30, device="cpu")  # 120 token slots: the offline run preempts
+CHUNK = 16
+CONFIGS = [(p, CHUNK) for p in POLICIES]
+# Online: arrivals at least 25 ms apart (a tiny-model step takes a few ms), so whether a request is seen by an
+# iteration never hangs on the microseconds between the replay loop's look at the clock and the step's start.
+ONLINE = Workload(tuple(RequestSpec(f"r{i}", 0.03 * i + 0.005 * (i % 3), p, o) for i, (p, o) in enumerate(
+    [(40, 60), (9, 80), (33, 50), (60, 70), (12, 90), (25, 45), (47, 65), (18, 75), (30, 55), (8, 85)])))
+
+
+def batches(result: BenchResult) -> list[tuple[tuple[str, int], ...]]:
+    return [it.batch for it in result.stats.iterations]
+
+
+def scheduler_config(result: BenchResult) -> SchedulerConfig:
+    """The real run's scheduler configuration, from its record."""
+    c = result.config
+    return SchedulerConfig(policy=c["policy"], chunk_size=c["chunk_size"] or 512, max_num_seqs=c["max_num_seqs"],
+                           block_size=c["block_size"], num_blocks=c["num_kv_blocks"], max_model_len=c["max_model_len"])
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny-model steps take about a millisecond on one thread; two threads spin on a busy 2-core CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoints, one_thread):
+    workload = Workload.synthetic("uniform:8-40:2-16", num_requests=10, seed=5)
+    return workload, bench_run(workload, configs=CONFIGS, model=tiny_checkpoints["llama"], progress=False,
+                               record_batches=True, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def online(tiny_checkpoints, one_thread):
+    return bench_run(ONLINE, configs=CONFIGS, model=tiny_checkpoints["llama"], progress=False, record_batches=True,
+                     block_size=4, num_kv_blocks=512, device="cpu")
+
+
+@pytest.mark.parametrize("cost_model", [LinearCostModel({"constant": 0.01, "tokens": 1e-4}),
+                                        roofline("h100", "smollm2-135m")], ids=["linear", "roofline"])
+def test_all_at_once_every_policy_schedules_the_real_batches_with_any_cost_model(offline, cost_model):
+    workload, real = offline
+    assert sum(r.summary()["num_preemptions"] for r in real) > 0  # the small pool is exercised
+    for r in real:
+        sim = simulate(workload, cost_model, scheduler_config(r), chunk_size=r.config["chunk_size"],
+                       record_batches=True)
+        assert batches(sim) == batches(r), r.label
+        assert sim.summary()["num_preemptions"] == r.summary()["num_preemptions"]
+
+
+def test_online_every_policy_schedules_the_real_batches_when_replaying_measured_step_times(online):
+    for r in online:
+        sim = simulate(ONLINE, ReplayCostModel.from_result(r), scheduler_config(r), chunk_size=r.config["chunk_size"],
+                       record_batches=True)
+        assert batches(sim) == batches(r), r.label
+        real_ms = {m.request_id: m for m in r.stats.requests}
+        for m in sim.stats.requests:
+            real_m = real_ms[m.request_id]
+            assert m.ttft == pytest.approx(real_m.ttft, abs=1e-9)
+            assert m.tbt == pytest.approx(real_m.tbt, abs=1e-9)
+            assert m.scheduling_delay == pytest.approx(real_m.scheduling_delay, abs=1e-9)
+
+
+def test_online_arrivals_shape_the_batches(online):
+    """The check above is not vacuous: the online runs interleave requests, and other step times than the
+    measured ones would have batched them differently."""
+    sarathi = next(r for r in online if r.config["policy"] == "sarathi")
+    assert max(len(b) for b in batches(sarathi)) >= 3
+    slower = simulate(ONLINE, LinearCostModel({"constant": 0.02}), scheduler_config(sarathi), record_batches=True)
+    assert batches(slower) != batches(sarathi)
+
+
+def test_a_simulated_result_has_the_bench_result_schema(online):
+    real = online[0]
+    sim = sim_run(ONLINE, roofline("h100", "smollm2-135m"), configs=[(real.config["policy"], CHUNK)],
+                  block_size=4, num_kv_blocks=512, max_model_len=real.config["max_model_len"])[0]
+    r, s = real.to_dict(), sim.to_dict()
+    assert s.keys() == r.keys() and s["schema"] == r["schema"]
+    assert s["config"].keys() == r["config"].keys()
+    assert {k: s["config"][k] for k in ("label", "policy", "chunk_size", "token_budget", "num_kv_blocks")} == \
+        {k: r["config"][k] for k in ("label", "policy", "chunk_size", "token_budget", "num_kv_blocks")}
+    assert s["summary"].keys() == r["summary"].keys()
+    assert s["workload"] == r["workload"]
+    assert s["requests"][0].keys() == r["requests"][0].keys()
+    assert s["iterations"][0].keys() == r["iterations"][0].keys()
+    assert s["meta"]["replay"] == "simulated" and r["meta"]["replay"] == "real-time"
+    assert BenchResult.from_json(sim.to_json()).summary() == sim.summary()
+    assert {k: v[0].keys() for k, v in sim.tables().items()} == {k: v[0].keys() for k, v in real.tables().items()}
