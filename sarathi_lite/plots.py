@@ -27,7 +27,7 @@ PREFILL_COLOR = "tab:orange"
 
 
 def plot_tradeoff(results: Sequence[BenchResult], ax: Any) -> None:
-    """P50 TTFT (s) against P99 TBT (ms), one labelled point per result."""
+    """P50 TTFT (s) against P99 TBT (ms, log scale), one labelled point per result."""
     for r in results:
         s = r.summary()
         if s["tbt_p99"] is None or s["ttft_p50"] is None:
@@ -35,6 +35,7 @@ def plot_tradeoff(results: Sequence[BenchResult], ax: Any) -> None:
         ax.scatter(1000 * s["tbt_p99"], s["ttft_p50"], s=30)
         ax.annotate(r.label, (1000 * s["tbt_p99"], s["ttft_p50"]), textcoords="offset points", xytext=(4, 4),
                     fontsize=8)
+    _log_ms_axis(ax)
     ax.set_xlabel("P99 TBT (ms)")
     ax.set_ylabel("P50 TTFT (s)")
     ax.set_title("TTFT vs P99 TBT")
@@ -47,12 +48,22 @@ def plot_tbt_cdf(results: Sequence[BenchResult], ax: Any) -> None:
         gaps = np.sort([1000 * g for m in r.stats.requests for g in m.tbt])
         if gaps.size:
             ax.step(gaps, np.arange(1, gaps.size + 1) / gaps.size, where="post", label=r.label)
-    ax.set_xscale("log")
+    _log_ms_axis(ax)
     ax.set_xlabel("TBT (ms)")
     ax.set_ylabel("fraction of token gaps")
     ax.set_title("TBT CDF")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+
+
+def _log_ms_axis(ax: Any) -> None:
+    """A log-scaled x axis labelled 50, 100, 200, 500, ... in plain numbers."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_timeline(result: BenchResult, ax: Any) -> None:
