@@ -1,6 +1,6 @@
 """``sarathi-lite``: the command line. ``generate`` runs prompts under the chunked-prefill scheduler and shows
 how each iteration mixed prefill chunks and decodes, then TTFT/TBT. ``bench`` and ``capacity`` run the serving
-benchmark (``sarathi_lite.bench_cli``)."""
+benchmark (``sarathi_lite.bench_cli``); ``sim`` and ``profile`` the simulator (``sarathi_lite.sim_cli``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from sarathi_lite.bench_cli import add_bench_parsers
 from sarathi_lite.metrics import IterationRecord, Stats
 from sarathi_lite.scheduler import POLICIES
+from sarathi_lite.sim_cli import add_sim_parsers
 
 DEFAULT_PROMPTS = (
     "Explain in two sentences why a long prompt can stall other users of an LLM server.",
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
     add_bench_parsers(sub)
+    add_sim_parsers(sub)
     return parser
 
 

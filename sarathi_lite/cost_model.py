@@ -12,14 +12,16 @@ questions the real engine's clock answers:
 
 Models:
 
-- ``LinearCostModel``: a few physical terms (``TERMS``) with fitted coefficients; ``sarathi-lite profile`` fits
-  one to this machine's model runner (``sarathi_lite.profiler``) and saves it as a small JSON file;
+- ``ProfiledCostModel``: the dense layers' measured cost curve over the batch's tokens plus a few physical
+  per-request terms (``TERMS``); ``sarathi-lite profile`` fits one to this machine's model runner
+  (``sarathi_lite.profiler``) and saves it as a small JSON file;
 - ``RooflineCostModel`` (``sarathi_lite.roofline``): a model's shape on a hardware description;
 - ``ReplayCostModel``: the measured timeline of a real run, replayed step by step (faithfulness checks).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,20 +35,16 @@ from sarathi_lite.scheduler import SchedulerOutput
 
 COST_MODEL_SCHEMA = "sarathi-lite/cost-model/1"
 
-TERMS = ("constant", "tokens", "decode_tokens", "prefill_chunks", "sampled", "prefill_attention",
-         "decode_attention")
-"""The step-time terms of ``LinearCostModel``, per iteration:
+TERMS = ("decode_tokens", "prefill_chunks", "sampled", "prefill_attention", "decode_attention")
+"""The per-request terms of ``ProfiledCostModel``, each summed over an iteration's batch:
 
-constant: 1 (fixed cost of a forward pass: weight reads at small batches, per-layer launches);
-tokens: query tokens of every request (the linear layers, norms, rotary, KV writes);
-decode_tokens: decodes (each extra: its decode-attention bookkeeping beyond the linear layers);
+decode_tokens: decodes (each: its decode-attention bookkeeping and gather beyond the dense layers);
 prefill_chunks: prompt chunks (each runs its own masked attention call per layer);
 sampled: rows that sample a token (the LM head over the vocabulary, and the sampler);
 prefill_attention: sum over prompt chunks of ``num_new_tokens * (num_computed_tokens + num_new_tokens)`` (query x
     key pairs of a masked attention call over the chunk's whole context);
 decode_attention: sum over decodes of their context ``num_computed_tokens + 1`` (keys read).
 """
-
 
 @dataclass(slots=True, frozen=True)
 class StepTiming:
@@ -84,8 +82,8 @@ class CostModel:
         raise NotImplementedError
 
 
-def batch_terms(out: SchedulerOutput) -> tuple[float, ...]:
-    """The values of ``TERMS`` for one iteration (see ``TERMS`` for units)."""
+def batch_terms(out: SchedulerOutput) -> tuple[int, ...]:
+    """``(query tokens, *TERMS)`` of one iteration (see ``TERMS``)."""
     chunks = sampled = attn_pf = attn_dec = 0
     for s in out.scheduled:
         kv = s.num_computed_tokens + s.num_new_tokens
@@ -95,23 +93,41 @@ def batch_terms(out: SchedulerOutput) -> tuple[float, ...]:
         else:
             attn_dec += kv
         sampled += s.sample
-    return (1.0, out.num_prefill_tokens + out.num_decode_tokens, out.num_decode_tokens, chunks, sampled, attn_pf,
+    return (out.num_prefill_tokens + out.num_decode_tokens, out.num_decode_tokens, chunks, sampled, attn_pf,
             attn_dec)
 
 
-@dataclass
-class LinearCostModel(CostModel):
-    """Step time as a non-negative combination of ``TERMS``, plus host overheads.
+def token_basis(tokens: float, knots: Sequence[int]) -> list[float]:
+    """Weights ``w`` with ``g(tokens) = sum(w[j] * g(knots[j]))`` for every ``g`` that is linear between the
+    knots, constant below the first and continues the last segment's slope above the last."""
+    w = [0.0] * len(knots)
+    if tokens <= knots[0]:
+        w[0] = 1.0
+        return w
+    j = min(bisect.bisect_left(knots, tokens), len(knots) - 1)  # tokens in (knots[j - 1], knots[j]], or beyond
+    f = (tokens - knots[j - 1]) / (knots[j] - knots[j - 1])
+    w[j - 1], w[j] = 1.0 - f, f
+    return w
 
-    step_time = sum(coefficients[t] * term t) + schedule_time
+
+@dataclass
+class ProfiledCostModel(CostModel):
+    """Step time fitted to this machine: the dense layers' cost as a measured curve over the batch's tokens, plus
+    non-negative per-request terms (``TERMS``), plus host overheads.
+
+    step_time = schedule_time + g(query tokens) + sum(coefficients[t] * term t for t in TERMS)
     schedule_time = schedule_constant + schedule_per_request * (scheduled requests)
 
-    coefficients: seconds per unit of each term (missing terms are 0). schedule_constant (s),
-    schedule_per_request (s per scheduled request) and step_gap (s) are host overheads. meta: how it was made
-    (model, machine, threads, fit quality), free-form.
+    g is linear between ``token_knots`` (tokens) where it takes ``token_times`` (seconds): CPU BLAS libraries
+    switch kernels with the batch size, so the cost of the projections is far from a straight line below a few
+    dozen tokens. coefficients: seconds per unit of each term (missing terms are 0). schedule_constant (s),
+    schedule_per_request (s per scheduled request) and step_gap (s, between steps) are host overheads. meta: how
+    it was made (model, machine, threads, fit quality), free-form.
     """
 
-    coefficients: dict[str, float]
+    token_knots: tuple[int, ...]
+    token_times: tuple[float, ...]
+    coefficients: dict[str, float] = field(default_factory=dict)
     schedule_constant: float = 0.0
     schedule_per_request: float = 0.0
     step_gap: float = 0.0
@@ -122,27 +138,39 @@ class LinearCostModel(CostModel):
     _coef: tuple[float, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.token_knots = tuple(int(k) for k in self.token_knots)
+        self.token_times = tuple(float(t) for t in self.token_times)
+        k = self.token_knots
+        if len(k) < 2 or len(k) != len(self.token_times) or any(a >= b for a, b in zip(k, k[1:])) or k[0] < 1:
+            raise ValueError(f"token_knots must be at least two increasing positive token counts, one per token "
+                             f"time; got {k} and {len(self.token_times)} times")
         unknown = set(self.coefficients) - set(TERMS)
         if unknown:
             raise ValueError(f"unknown cost term(s) {', '.join(sorted(unknown))}; terms are {', '.join(TERMS)}")
-        if any(v < 0 for v in self.coefficients.values()):
-            raise ValueError(f"cost coefficients must be >= 0, got {self.coefficients}")
+        if any(v < 0 for v in (*self.coefficients.values(), *self.token_times)):
+            raise ValueError("cost coefficients and token times must be >= 0")
         self._coef = tuple(float(self.coefficients.get(t, 0.0)) for t in TERMS)
 
-    def predict(self, out: SchedulerOutput) -> StepTiming:
-        sched = self.schedule_constant + self.schedule_per_request * len(out.scheduled)
-        return StepTiming(sched, sched + sum(c * v for c, v in zip(self._coef, batch_terms(out))))
+    def token_time(self, tokens: float) -> float:
+        """g(tokens): seconds of the dense layers for a batch of ``tokens`` query tokens."""
+        return sum(w * t for w, t in zip(token_basis(tokens, self.token_knots), self.token_times))
 
     def forward_time(self, terms: Sequence[Sequence[float]]) -> np.ndarray:
-        """Predicted time (seconds) of the model-runner part for rows of ``TERMS`` values."""
-        return np.asarray(terms, dtype=np.float64) @ np.array(self._coef)
+        """Predicted model-runner seconds for rows of ``batch_terms`` values (no host overheads)."""
+        return np.array([self.token_time(row[0]) + sum(c * v for c, v in zip(self._coef, row[1:])) for row in terms])
+
+    def predict(self, out: SchedulerOutput) -> StepTiming:
+        tokens, *terms = batch_terms(out)
+        sched = self.schedule_constant + self.schedule_per_request * len(out.scheduled)
+        return StepTiming(sched, sched + self.token_time(tokens) + sum(c * v for c, v in zip(self._coef, terms)))
 
     def describe(self) -> dict[str, Any]:
         keys = ("model", "dtype", "device", "attention_backend", "machine", "threads", "file")
-        return {"kind": "linear", **{k: self.meta.get(k) for k in keys}}
+        return {"kind": "profiled", **{k: self.meta.get(k) for k in keys}}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": COST_MODEL_SCHEMA, "kind": "linear",
+        return {"schema": COST_MODEL_SCHEMA, "kind": "profiled", "token_knots": list(self.token_knots),
+                "token_times": list(self.token_times),
                 "coefficients": {t: self.coefficients.get(t, 0.0) for t in TERMS},
                 "schedule_constant": self.schedule_constant, "schedule_per_request": self.schedule_per_request,
                 "step_gap": self.step_gap, "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -156,15 +184,16 @@ class LinearCostModel(CostModel):
         return path
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LinearCostModel:
-        if d.get("schema") != COST_MODEL_SCHEMA or d.get("kind") != "linear":
-            raise ValueError(f"not a {COST_MODEL_SCHEMA} linear cost model (schema={d.get('schema')!r})")
-        fields = ("schedule_constant", "schedule_per_request", "step_gap", "kv_bytes_per_token", "kv_cache_memory",
-                  "max_position_embeddings")
-        return cls(dict(d["coefficients"]), **{k: d[k] for k in fields if k in d}, meta=dict(d.get("meta", {})))
+    def from_dict(cls, d: dict[str, Any]) -> ProfiledCostModel:
+        if d.get("schema") != COST_MODEL_SCHEMA or d.get("kind") != "profiled":
+            raise ValueError(f"not a {COST_MODEL_SCHEMA} profiled cost model (schema={d.get('schema')!r}, "
+                             f"kind={d.get('kind')!r})")
+        fields = ("coefficients", "schedule_constant", "schedule_per_request", "step_gap", "kv_bytes_per_token",
+                  "kv_cache_memory", "max_position_embeddings", "meta")
+        return cls(d["token_knots"], d["token_times"], **{k: d[k] for k in fields if k in d})
 
     @classmethod
-    def load(cls, path: str | Path) -> LinearCostModel:
+    def load(cls, path: str | Path) -> ProfiledCostModel:
         model = cls.from_dict(json.loads(Path(path).read_text()))
         model.meta["file"] = str(path)
         return model
@@ -235,22 +264,24 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x
 
 
-def fit_terms(terms: Sequence[Sequence[float]], times: Sequence[float], names: Sequence[str] = TERMS
-              ) -> dict[str, float]:
-    """Fit non-negative coefficients (seconds per unit) of ``names`` to measured ``times`` (seconds), one row of
-    term values per measurement, minimising the squared *relative* error (each row weighted by 1 / its time), so
-    short decode steps count as much as long prefills. Columns are scaled to unit norm for conditioning."""
-    a = np.asarray(terms, dtype=np.float64)
+def fit_profile(terms: Sequence[Sequence[float]], times: Sequence[float], knots: Sequence[int]
+                ) -> tuple[list[float], dict[str, float]]:
+    """Fit ``ProfiledCostModel``'s token curve (seconds at ``knots``) and ``TERMS`` coefficients to measured
+    ``times`` (seconds), one row of ``batch_terms`` values per measurement, by non-negative least squares on the
+    squared *relative* error (each row weighted by 1 / its time, so short decode steps count as much as long
+    prefills). Columns are scaled to unit norm for conditioning. Returns ``(token_times, coefficients)``."""
+    rows = np.asarray(terms, dtype=np.float64)
     y = np.asarray(times, dtype=np.float64)
-    if a.ndim != 2 or a.shape != (len(y), len(names)):
-        raise ValueError(f"terms must be [{len(y)}, {len(names)}], got {a.shape}")
+    if rows.ndim != 2 or rows.shape != (len(y), 1 + len(TERMS)):
+        raise ValueError(f"terms must be [{len(y)}, {1 + len(TERMS)}], got {rows.shape}")
     if (y <= 0).any():
         raise ValueError("measured times must be positive")
-    weighted = a / y[:, None]
-    scale = np.linalg.norm(weighted, axis=0)
+    a = np.array([token_basis(t, knots) for t in rows[:, 0]]).reshape(len(y), len(knots))
+    a = np.hstack([a, rows[:, 1:]]) / y[:, None]
+    scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
-    x = nnls(weighted / scale, np.ones_like(y)) / scale
-    return dict(zip(names, map(float, x)))
+    x = nnls(a / scale, np.ones_like(y)) / scale
+    return [float(v) for v in x[:len(knots)]], dict(zip(TERMS, map(float, x[len(knots):])))
 
 
 def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> dict[str, float]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
-from sarathi_lite.cost_model import CostModel, LinearCostModel
+from sarathi_lite.cost_model import CostModel, ProfiledCostModel
 from sarathi_lite.metrics import MetricsRecorder
 from sarathi_lite.results import BenchResult, config_label, configurations, run_config
 from sarathi_lite.roofline import roofline
@@ -52,7 +52,7 @@ def load_cost_model(spec: str | Path) -> CostModel:
         return roofline(hw, model or "llama3-8b")
     if not Path(text).is_file():
         raise ValueError(f"cost model {text!r} is neither a profile JSON file nor roofline:HW[:MODEL]")
-    return LinearCostModel.load(text)
+    return ProfiledCostModel.load(text)
 
 
 def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *, max_num_seqs: int = 128,

@@ -1,6 +1,6 @@
-"""Cost models: the linear model's terms counted by hand, its fit recovering known coefficients from synthetic
-batches, its JSON file, the replay model, and the roofline model against hand calculations (a decode batch is
-memory-bound, a long prefill compute-bound). Torch-free."""
+"""Cost models: the profiled model's terms counted by hand, its fit recovering a known token curve and
+coefficients from synthetic batches, its JSON file, the replay model, and the roofline model against hand
+calculations (a decode batch is memory-bound, a long prefill compute-bound). Torch-free."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import pytest
 from sarathi_lite.config import ModelConfig
 from sarathi_lite.cost_model import (
     TERMS,
-    LinearCostModel,
+    ProfiledCostModel,
     ReplayCostModel,
     batch_terms,
+    fit_profile,
     fit_quality,
-    fit_terms,
     nnls,
+    token_basis,
 )
 from sarathi_lite.metrics import IterationRecord
 from sarathi_lite.roofline import HARDWARE, MODEL_SHAPES, RooflineCostModel, _keys_seen, model_shape, roofline
@@ -38,20 +39,36 @@ def batch(decode_contexts=(), chunks=()) -> SchedulerOutput:
 
 
 def random_batch(rng: np.random.Generator) -> SchedulerOutput:
+    if rng.random() < 0.25:  # decode-only, small batches included
+        return batch(rng.integers(1, 2000, int(rng.integers(1, 40))).tolist())
     decodes = rng.integers(1, 2000, int(rng.integers(0, 40))).tolist()
     chunks = [(int(rng.integers(0, 1000)), int(rng.integers(1, 512)), bool(rng.random() < 0.5))
-              for _ in range(int(rng.integers(0 if decodes else 1, 3)))]
+              for _ in range(int(rng.integers(1, 3)))]
     return batch(decodes, chunks)
 
 
-# ---------------------------------------------------------------------- linear model
+KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# a CPU-like dense-layer curve: flat-ish up to a few tokens, then a kernel switch, then linear
+TRUE_CURVE = (0.040, 0.045, 0.070, 0.090, 0.095, 0.130, 0.175, 0.290, 0.520, 0.980)
+TRUE_TERMS = {"decode_tokens": 5e-4, "prefill_chunks": 3e-3, "sampled": 1e-3, "prefill_attention": 2e-8,
+              "decode_attention": 4e-7}
+
+
+# ---------------------------------------------------------------------- profiled model
 
 
 def test_batch_terms_count_tokens_chunks_samples_and_attention_work():
     out = batch([10], [(4, 6, False), (0, 3, True)])
-    assert dict(zip(TERMS, batch_terms(out))) == {
-        "constant": 1, "tokens": 10, "decode_tokens": 1, "prefill_chunks": 2, "sampled": 2,
-        "prefill_attention": 6 * 10 + 3 * 3, "decode_attention": 11}
+    assert batch_terms(out) == (10, 1, 2, 2, 6 * 10 + 3 * 3, 11)
+    assert TERMS == ("decode_tokens", "prefill_chunks", "sampled", "prefill_attention", "decode_attention")
+
+
+def test_token_curve_interpolates_between_knots_and_extends_the_last_segment():
+    model = ProfiledCostModel((1, 4, 8), (1.0, 4.0, 6.0))
+    assert [model.token_time(t) for t in (0, 1, 2, 4, 6, 8, 12)] == [1.0, 1.0, 2.0, 4.0, 5.0, 6.0, 8.0]
+    assert token_basis(6, (1, 4, 8)) == [0.0, 0.5, 0.5]
+    with pytest.raises(ValueError, match="increasing"):
+        ProfiledCostModel((4, 1), (1.0, 1.0))
 
 
 def test_nnls_matches_least_squares_when_unconstrained_and_clamps_negative_coefficients():
@@ -67,36 +84,49 @@ def test_nnls_matches_least_squares_when_unconstrained_and_clamps_negative_coeff
     assert (gradient[x == 0] <= 1e-9).all() and gradient[x > 0] == pytest.approx(0, abs=1e-9)
 
 
-def test_fit_recovers_known_coefficients_from_synthetic_batches():
-    true = {"constant": 0.04, "tokens": 2e-4, "decode_tokens": 5e-4, "prefill_chunks": 3e-3, "sampled": 1e-3,
-            "prefill_attention": 2e-8, "decode_attention": 4e-7}
-    model = LinearCostModel(true)
+def test_fit_recovers_a_known_token_curve_and_coefficients_from_synthetic_batches():
+    model = ProfiledCostModel(KNOTS, TRUE_CURVE, TRUE_TERMS)
     rng = np.random.default_rng(1)
-    outs = [random_batch(rng) for _ in range(80)]
+    outs = [random_batch(rng) for _ in range(120)] + [batch([5] * n) for n in (1, 2, 3, 4, 6, 8)]
     terms = [batch_terms(o) for o in outs]
     exact = [model.predict(o).step_time for o in outs]
-    assert fit_terms(terms, exact) == pytest.approx(true, rel=1e-6)
+    curve, coefficients = fit_profile(terms, exact, KNOTS)
+    assert curve == pytest.approx(TRUE_CURVE, rel=1e-6) and coefficients == pytest.approx(TRUE_TERMS, rel=1e-6)
+
     noisy = np.array(exact) * (1 + rng.normal(0, 0.01, len(exact)))  # 1% timing noise
-    fitted = LinearCostModel(fit_terms(terms, noisy))
-    held_out = [random_batch(rng) for _ in range(40)]
+    fitted = ProfiledCostModel(KNOTS, *fit_profile(terms, noisy, KNOTS))
+    held_out = [random_batch(rng) for _ in range(60)]
     quality = fit_quality([fitted.predict(o).step_time for o in held_out],
                           [model.predict(o).step_time for o in held_out])
-    assert quality["r2"] > 0.999 and quality["rel_err_max"] < 0.02
+    assert quality["r2"] > 0.999 and quality["rel_err_max"] < 0.03
     c = fitted.coefficients
-    for term in ("constant", "tokens", "decode_attention"):
-        assert c[term] == pytest.approx(true[term], rel=0.1)
+    assert fitted.token_times == pytest.approx(TRUE_CURVE, rel=0.05)
     # decodes always sample, so only their sum is well determined by noisy times: the cost of one more decode
-    assert c["decode_tokens"] + c["sampled"] == pytest.approx(true["decode_tokens"] + true["sampled"], rel=0.1)
+    assert c["decode_tokens"] + c["sampled"] == pytest.approx(TRUE_TERMS["decode_tokens"] + TRUE_TERMS["sampled"],
+                                                              rel=0.15)
+
+
+def test_a_straight_line_cannot_fit_a_kernel_switch_but_the_token_curve_can():
+    model = ProfiledCostModel(KNOTS, TRUE_CURVE, TRUE_TERMS)
+    rng = np.random.default_rng(3)
+    outs = [random_batch(rng) for _ in range(120)]
+    terms = [batch_terms(o) for o in outs]
+    times = [model.predict(o).step_time for o in outs]
+    line = ProfiledCostModel((1, 512), *fit_profile(terms, times, (1, 512)))
+    small = [batch([100] * n) for n in (1, 2, 4, 8)]
+    errors = [abs(line.predict(o).step_time / model.predict(o).step_time - 1) for o in small]
+    assert max(errors) > 0.2
 
 
 def test_fit_keeps_coefficients_non_negative():
     rng = np.random.default_rng(2)
     outs = [random_batch(rng) for _ in range(30)]
-    terms = np.array([batch_terms(o) for o in outs])
-    times = 0.05 + 1e-4 * terms[:, 1] - 1e-9 * terms[:, 5]  # prefill attention "speeds up" a step
-    assert np.linalg.lstsq(terms, times, rcond=None)[0][5] < 0
-    fitted = fit_terms(terms, times)
-    assert min(fitted.values()) >= 0
+    terms = np.array([batch_terms(o) for o in outs], dtype=float)
+    times = 0.05 + 1e-4 * terms[:, 0] - 1e-9 * terms[:, 4]  # prefill attention "speeds up" a step
+    design = np.column_stack([np.ones(len(times)), terms])
+    assert np.linalg.lstsq(design, times, rcond=None)[0][5] < 0
+    curve, coefficients = fit_profile(terms, times, (1, 512))
+    assert min(curve) >= 0 and min(coefficients.values()) >= 0
 
 
 def test_fit_quality_of_exact_and_biased_predictions():
@@ -106,10 +136,10 @@ def test_fit_quality_of_exact_and_biased_predictions():
     assert q["rel_err_p50"] == pytest.approx(0.1) and q["r2"] < 1
 
 
-def test_linear_model_round_trips_through_its_json_file(tmp_path):
-    model = LinearCostModel({"constant": 0.01, "sampled": 1e-3}, schedule_constant=1e-5, schedule_per_request=1e-6,
-                            step_gap=2e-5, kv_bytes_per_token=4096, kv_cache_memory=1 << 30,
-                            max_position_embeddings=8192, meta={"model": "m", "threads": 2})
+def test_profiled_model_round_trips_through_its_json_file(tmp_path):
+    model = ProfiledCostModel((1, 8, 64), (0.01, 0.02, 0.1), {"sampled": 1e-3}, schedule_constant=1e-5,
+                              schedule_per_request=1e-6, step_gap=2e-5, kv_bytes_per_token=4096,
+                              kv_cache_memory=1 << 30, max_position_embeddings=8192, meta={"model": "m", "threads": 2})
     back = load_cost_model(model.save(tmp_path / "p.json"))
     out = batch([5, 6], [(0, 7, True)])
     assert back.predict(out) == model.predict(out)
@@ -117,9 +147,9 @@ def test_linear_model_round_trips_through_its_json_file(tmp_path):
     assert (back.kv_cache_memory, back.step_gap, back.meta["threads"]) == (1 << 30, 2e-5, 2)
     assert back.describe()["file"] == str(tmp_path / "p.json")
     with pytest.raises(ValueError, match="unknown cost term"):
-        LinearCostModel({"flops": 1.0})
+        ProfiledCostModel((1, 2), (1.0, 1.0), {"flops": 1.0})
     with pytest.raises(ValueError, match=">= 0"):
-        LinearCostModel({"constant": -1.0})
+        ProfiledCostModel((1, 2), (1.0, -1.0))
     with pytest.raises(ValueError, match="neither"):
         load_cost_model(tmp_path / "missing.json")
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from sarathi_lite.cost_model import LinearCostModel
+from sarathi_lite.cost_model import ProfiledCostModel
 from sarathi_lite.scheduler import SchedulerConfig
 from sarathi_lite.sim import scheduler_config, simulate
 from sarathi_lite.workload import RequestSpec, Workload
 
-ONE_SECOND = LinearCostModel({"constant": 1.0})
+ONE_SECOND = ProfiledCostModel((1, 2), (1.0, 1.0))  # every step takes 1 s
 
 
 def workload(*rows: tuple[str, float, int, int]) -> Workload:
@@ -59,7 +59,7 @@ def test_an_idle_engine_jumps_to_the_next_arrival():
 
 
 def test_host_gap_and_scheduling_time_are_added_as_the_engine_measures_them():
-    cost = LinearCostModel({"constant": 1.0}, schedule_constant=0.25, schedule_per_request=0.125, step_gap=0.5)
+    cost = ProfiledCostModel((1, 2), (1.0, 1.0), schedule_constant=0.25, schedule_per_request=0.125, step_gap=0.5)
     result = simulate(workload(("a", 0.0, 4, 2), ("b", 5.0, 4, 1)), cost, config())
     its = result.stats.iterations
     # every step: 0.25 + 0.125 per request scheduling, then 1 s; 0.5 s between steps and after an idle wake-up
@@ -69,7 +69,7 @@ def test_host_gap_and_scheduling_time_are_added_as_the_engine_measures_them():
 
 
 def test_step_time_follows_the_cost_terms_of_the_batch():
-    cost = LinearCostModel({"tokens": 0.01, "sampled": 0.1, "decode_attention": 0.001})
+    cost = ProfiledCostModel((1, 2), (0.01, 0.02), {"sampled": 0.1, "decode_attention": 0.001})  # 10 ms a token
     result = simulate(workload(("a", 0.0, 6, 2)), cost, config())
     prefill, decode = result.stats.iterations
     assert prefill.step_time == pytest.approx(6 * 0.01 + 0.1)
@@ -87,8 +87,8 @@ def test_chunked_prefill_spans_steps_and_unchunked_policies_wait_for_a_free_slot
 
 
 def test_scheduler_config_derives_the_pool_as_the_engine_does():
-    cost = LinearCostModel({"constant": 1.0}, kv_bytes_per_token=1000, kv_cache_memory=16_000_000,
-                           max_position_embeddings=8192)
+    cost = ProfiledCostModel((1, 2), (1.0, 1.0), kv_bytes_per_token=1000, kv_cache_memory=16_000_000,
+                             max_position_embeddings=8192)
     cfg = scheduler_config(cost, "vllm", None, block_size=16)
     assert (cfg.num_blocks, cfg.max_model_len, cfg.chunk_size) == (1000, 8192, 512)
     small = scheduler_config(cost, "sarathi", 64, block_size=16, num_kv_blocks=100)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sarathi_lite.bench import run as bench_run
-from sarathi_lite.cost_model import LinearCostModel, ReplayCostModel
+from sarathi_lite.cost_model import ProfiledCostModel, ReplayCostModel
 from sarathi_lite.results import BenchResult
 from sarathi_lite.roofline import roofline
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
@@ -64,7 +64,7 @@ def online(tiny_checkpoints, one_thread):
                      block_size=4, num_kv_blocks=512, device="cpu")
 
 
-@pytest.mark.parametrize("cost_model", [LinearCostModel({"constant": 0.01, "tokens": 1e-4}),
+@pytest.mark.parametrize("cost_model", [ProfiledCostModel((1, 64), (0.01, 0.02)),
                                         roofline("h100", "smollm2-135m")], ids=["linear", "roofline"])
 def test_all_at_once_every_policy_schedules_the_real_batches_with_any_cost_model(offline, cost_model):
     workload, real = offline
@@ -94,7 +94,7 @@ def test_online_arrivals_shape_the_batches(online):
     measured ones would have batched them differently."""
     sarathi = next(r for r in online if r.config["policy"] == "sarathi")
     assert max(len(b) for b in batches(sarathi)) >= 3
-    slower = simulate(ONLINE, LinearCostModel({"constant": 0.02}), scheduler_config(sarathi), record_batches=True)
+    slower = simulate(ONLINE, ProfiledCostModel((1, 2), (0.02, 0.02)), scheduler_config(sarathi), record_batches=True)
     assert batches(slower) != batches(sarathi)
 
 

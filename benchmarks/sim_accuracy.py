@@ -1,0 +1,165 @@
+"""Simulator accuracy on this machine: real-time ``bench`` runs of SmolLM2-135M beside ``sim`` runs of the same
+workload and configurations with a profiled cost model, metric by metric.
+
+The cost model is fitted by ``sarathi-lite profile`` on synthetic batch shapes; the workload here is the
+conversation trace (rows ``--start ..``, lengths scaled and clipped like ``bench``'s default, Poisson arrivals at
+``--qps`` from ``--seed``), so nothing of it was used for fitting. Run the profile with the same ``--threads``
+and in the same machine conditions as this script.
+
+    sarathi-lite profile --threads 2 --out results/sim_accuracy/profile.json
+    python benchmarks/sim_accuracy.py --profile results/sim_accuracy/profile.json --threads 2
+
+For each configuration (``--policies`` x ``--chunk-sizes``) it prints and stores, measured vs predicted: P50 and
+P99 TTFT and TBT, output-token throughput, and their relative errors; plus two diagnostics:
+
+- ``step err``: the cost model's median relative error on the real run's own batches (its step times measured
+  against the model's prediction for exactly those batches);
+- ``replay``: the largest relative error of the same metrics when the simulator replays the real run's measured
+  step times (``ReplayCostModel``): zero up to rounding if the event loop is faithful.
+
+Writes ``<out>/accuracy.json``, ``<out>/accuracy.md`` and every run's JSON under ``<out>/real`` and ``<out>/sim``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sarathi_lite import bench, sim
+from sarathi_lite.cost_model import ProfiledCostModel, ReplayCostModel
+from sarathi_lite.results import BenchResult, save_results
+from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+from sarathi_lite.workload import Workload
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "splitwise_conv.csv"
+METRICS = (  # name, summary key, scale, unit, format
+    ("TTFT p50", "ttft_p50", 1.0, "s", "{:.2f}"), ("TTFT p99", "ttft_p99", 1.0, "s", "{:.2f}"),
+    ("TBT p50", "tbt_p50", 1e3, "ms", "{:.0f}"), ("TBT p99", "tbt_p99", 1e3, "ms", "{:.0f}"),
+    ("throughput", "throughput_output_tokens_per_s", 1.0, "tok/s", "{:.1f}"))
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", type=Path, required=True, help="cost model from sarathi-lite profile")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (as in the profile)")
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--start", type=int, default=2000)
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--qps", type=float, default=0.4)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--prompt-scale", type=float, default=0.25)
+    ap.add_argument("--output-scale", type=float, default=0.25)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-output", type=int, default=64)
+    ap.add_argument("--policies", default="sarathi,simple_chunking")
+    ap.add_argument("--chunk-sizes", default="64,128,256")
+    ap.add_argument("--out", type=Path, default=Path("results/sim_accuracy"))
+    return ap.parse_args()
+
+
+def real_batches(result: BenchResult) -> list[SchedulerOutput]:
+    """The real run's iterations rebuilt as ``SchedulerOutput``s from their recorded ``(request, tokens)`` rows:
+    each request's cached context is the sum of its earlier rows (the runs here never preempt)."""
+    prompt = {r.request_id: r.prompt_len for r in result.workload.requests}
+    done: dict[str, int] = {}
+    outs = []
+    for it in result.stats.iterations:
+        out = SchedulerOutput()
+        for rid, n in it.batch:
+            c = done.get(rid, 0)
+            out.add(ScheduledRequest(rid, c, n, [], [], c + n >= prompt[rid], c < prompt[rid]))
+            done[rid] = c + n
+        outs.append(out)
+    return outs
+
+
+def rel(pred: float | None, real: float | None) -> float | None:
+    return None if pred is None or not real else (pred - real) / real
+
+
+def compare_runs(real: BenchResult, predicted: BenchResult, replayed: BenchResult, cost: ProfiledCostModel
+                 ) -> dict[str, Any]:
+    r, p, q = real.summary(), predicted.summary(), replayed.summary()
+    steps = [it.step_time for it in real.stats.iterations]
+    step_pred = [cost.predict(o).step_time for o in real_batches(real)]
+    row: dict[str, Any] = {"label": real.label, "iterations_real": len(steps),
+                           "iterations_sim": len(predicted.stats.iterations),
+                           "step_rel_err_p50": float(np.median(np.abs(np.subtract(step_pred, steps)) / steps)),
+                           "step_bias": float(np.sum(step_pred) / np.sum(steps) - 1),
+                           "replay_max_rel_err": max(abs(rel(q[k], r[k]) or 0.0) for _, k, *_ in METRICS),
+                           "load_average_real": real.meta["load_average_start"][0]}
+    for _, key, *_ in METRICS:
+        row[key] = {"real": r[key], "sim": p[key], "rel_err": rel(p[key], r[key])}
+    return row
+
+
+def table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    head = ["config"] + [f"{name} {unit} real / sim (err)" for name, _, _, unit, _ in METRICS] + ["step err",
+                                                                                                 "replay"]
+    lines = []
+    for row in rows:
+        cells = [row["label"]]
+        for _, key, scale, _, fmt in METRICS:
+            m = row[key]
+            cells.append(f"{fmt.format(m['real'] * scale)} / {fmt.format(m['sim'] * scale)} "
+                         f"({100 * m['rel_err']:+.1f}%)")
+        cells += [f"{100 * row['step_rel_err_p50']:.1f}%", f"{100 * row['replay_max_rel_err']:.0e}%"]
+        lines.append(cells)
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+                         + ["| " + " | ".join(c) + " |" for c in lines])
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+                     for cells in [head] + lines)
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cost = ProfiledCostModel.load(args.profile)
+    if cost.meta.get("threads") != torch.get_num_threads():
+        logging.warning("the profile was taken with %s threads, this run uses %d", cost.meta.get("threads"),
+                        torch.get_num_threads())
+    workload = Workload.from_trace(args.trace, num_requests=args.num_requests, start=args.start, qps=args.qps,
+                                   prompt_scale=args.prompt_scale, output_scale=args.output_scale,
+                                   max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
+    print(f"workload: {workload.describe()}")
+    configs = bench.configurations(args.policies.split(","), [int(c) for c in args.chunk_sizes.split(",")])
+    real = bench.run(workload, configs=configs, model=args.model, record_batches=True)
+    rows, predicted = [], []
+    for r in real:
+        c = r.config
+        options = {"max_num_seqs": c["max_num_seqs"], "block_size": c["block_size"],
+                   "num_kv_blocks": c["num_kv_blocks"], "max_model_len": c["max_model_len"]}
+        [p] = sim.run(workload, cost, configs=[(c["policy"], c["chunk_size"])], **options)
+        [q] = sim.run(workload, ReplayCostModel.from_result(r), configs=[(c["policy"], c["chunk_size"])], **options)
+        predicted.append(p)
+        rows.append(compare_runs(r, p, q, cost))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(f"\n{bench.machine()}; load average {os.getloadavg()[0]:.2f} now; profile {args.profile} "
+          f"(threads {cost.meta.get('threads')}, load {cost.meta.get('load_average_start', ['?'])[0]})")
+    print(table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_results(real, args.out / "real")
+    save_results(predicted, args.out / "sim")
+    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": bench.machine(),
+              "profile": str(args.profile), "profile_meta": {k: v for k, v in cost.meta.items() if k != "samples"},
+              "workload": workload.to_dict()["source"], "workload_description": workload.describe(), "rows": rows}
+    (args.out / "accuracy.json").write_text(json.dumps(record, indent=1))
+    (args.out / "accuracy.md").write_text(table(rows, markdown=True) + "\n")
+    print(f"wrote {args.out / 'accuracy.json'}, {args.out / 'accuracy.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""``sarathi-lite profile``: time this machine's model runner over a grid of batch shapes and fit a
+``ProfiledCostModel`` that the simulator can use.
+
+Three parts, all on one ``LLMEngine`` (needs torch and the model):
+
+1. the grid: decode-only batches (1 to 64 decodes, varied contexts), prompt-chunk-only batches (one or two chunks
+   of varied size and cached context) and hybrids, built directly as ``SchedulerOutput``s on the engine's KV pool
+   (its contents do not matter for timing); after one warm-up run of the largest, each is run ``repeats`` times
+   and the median of ``ModelRunner.execute`` counts;
+2. the fit: the token curve at powers of two up to the largest batch, and the ``TERMS`` coefficients, by
+   non-negative least squares on the squared relative error; every fifth hybrid shape is held out and its error
+   reported;
+3. the calibration: a short real offline run through ``LLMEngine.step``, whose measured scheduling time, host
+   time outside the forward pass (``update``) and gap between steps become the model's host overheads; its
+   whole steps, predicted against measured, are reported as a second held-out check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from sarathi_lite.bench import build_engine, machine, warm_up
+from sarathi_lite.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
+from sarathi_lite.engine import LLMEngine
+from sarathi_lite.model_runner import kv_cache_bytes_per_block
+from sarathi_lite.sampling_params import SamplingParams
+from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+HOLDOUT_EVERY = 5
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+@dataclass(slots=True, frozen=True)
+class BatchShape:
+    """One batch to time. decode_contexts: cached tokens of each decode. chunks: ``(num_computed_tokens,
+    num_new_tokens, sample)`` of each prompt chunk."""
+
+    decode_contexts: tuple[int, ...]
+    chunks: tuple[tuple[int, int, bool], ...] = ()
+
+    def output(self, block_size: int, num_blocks: int, vocab_size: int, rng: np.random.Generator
+               ) -> SchedulerOutput:
+        """The batch as a ``SchedulerOutput`` (decodes first, as the scheduler orders them). Block tables take
+        consecutive block ids, wrapping around the pool: only their count matters for timing."""
+        out = SchedulerOutput()
+        nxt = 0
+
+        def blocks(num_tokens: int) -> list[int]:
+            nonlocal nxt
+            n = -(-num_tokens // block_size)
+            nxt += n
+            return [(nxt - n + i) % num_blocks for i in range(n)]
+
+        for i, ctx in enumerate(self.decode_contexts):
+            out.add(ScheduledRequest(f"d{i}", ctx, 1, [int(rng.integers(vocab_size))], blocks(ctx + 1), True, False))
+        for i, (computed, new, sample) in enumerate(self.chunks):
+            out.add(ScheduledRequest(f"p{i}", computed, new, rng.integers(vocab_size, size=new).tolist(),
+                                     blocks(computed + new), sample, True))
+        return out
+
+
+def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes: int = 64, quick: bool = False,
+                 seed: int = 0) -> list[BatchShape]:
+    """Batch shapes covering what serving runs up to ``max_tokens`` tokens per step, ``max_context`` cached
+    tokens per request and ``max_decodes`` decodes: decode-only batches (every power of two up to
+    ``max_decodes``, contexts drawn up to a small, medium or full cap), chunk-only batches (every power of two
+    from 16 to ``max_tokens``; cached context 0 or drawn; also as two chunks) and hybrids (decodes plus chunks
+    filling a power-of-two token budget), in a seeded random order. quick: each kind once instead of twice, and a
+    third of the hybrids (for a notebook or CI)."""
+    rng = np.random.default_rng(seed)
+    caps = (max(max_context // 16, 1), max(max_context // 4, 1), max_context)
+    copies = 1 if quick else 2
+
+    def contexts(n: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in rng.integers(1, caps[rng.integers(3)] + 1, n))
+
+    def chunk(new: int) -> tuple[int, int, bool]:
+        computed = 0 if rng.random() < 0.4 else int(rng.integers(1, max_context + 1))
+        return computed, new, bool(rng.random() < 0.5)
+
+    budgets = [b for b in powers_of_two(max_tokens) if b >= 16]
+    shapes = [BatchShape(contexts(n)) for n in powers_of_two(max_decodes) for _ in range(copies)]
+    shapes += [BatchShape((), (chunk(b),)) for b in budgets for _ in range(copies)]
+    shapes += [BatchShape((), (chunk(b // 2), chunk(b - b // 2))) for b in budgets]
+    for _ in range(2 * len(budgets) if quick else 6 * len(budgets)):
+        budget = int(rng.choice(budgets))
+        n = int(rng.integers(1, min(max_decodes, budget - 1) + 1))
+        rest = budget - n
+        parts = (chunk(rest),) if rng.random() < 0.7 or rest < 2 else (chunk(rest // 2), chunk(rest - rest // 2))
+        shapes.append(BatchShape(contexts(n), parts))
+    return [shapes[i] for i in rng.permutation(len(shapes))]
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit``, and ``limit`` itself if it is not one."""
+    out = [2 ** k for k in range(limit.bit_length()) if 2 ** k <= limit]
+    return out if out[-1] == limit else out + [limit]
+
+
+def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repeats: int = 3,
+                 progress: bool = True) -> list[float]:
+    """Median seconds of ``engine.runner.execute`` per batch, after one warm-up run of the largest batch (which
+    sizes the attention backend's buffers)."""
+    if engine.has_unfinished_requests():
+        raise ValueError("profiling needs an idle engine (it writes into the KV pool)")
+
+    def run(out: SchedulerOutput) -> float:
+        t0 = time.perf_counter()
+        engine.runner.execute(out, {s.request_id: GREEDY for s in out.scheduled if s.sample})
+        return time.perf_counter() - t0
+
+    run(max(outputs, key=lambda o: (o.num_batched_tokens, len(o.scheduled))))
+    return [statistics.median(run(out) for _ in range(repeats))
+            for out in tqdm(outputs, desc="profile", unit="batch", leave=False, disable=not progress)]
+
+
+@dataclass(slots=True)
+class Calibration:
+    """Per-iteration records of a real run through ``LLMEngine.step``: its outputs, the measured step and
+    scheduling times, the forward-pass time inside each step, and the gaps between steps (seconds)."""
+
+    outputs: list[SchedulerOutput]
+    step_times: list[float]
+    schedule_times: list[float]
+    forward_times: list[float]
+    gaps: list[float]
+
+
+def calibrate(engine: LLMEngine, *, num_requests: int = 8, seed: int = 0) -> Calibration:
+    """Run ``num_requests`` requests (prompts 16-160 tokens, outputs 4-16, all at once) through the engine,
+    timing ``runner.execute`` inside every step."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    for i in range(num_requests):
+        prompt = rng.integers(100 if vocab > 200 else 0, vocab, int(rng.integers(16, 161))).tolist()
+        engine.add_request(f"calibrate-{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
+                                                                    max_tokens=int(rng.integers(4, 17))))
+    runner = engine.runner
+    execute = runner.execute
+    calls: list[tuple[SchedulerOutput, float]] = []
+
+    def timed(out: SchedulerOutput, params: Any) -> Any:
+        t0 = time.perf_counter()
+        result = execute(out, params)
+        calls.append((out, time.perf_counter() - t0))
+        return result
+
+    runner.execute = timed  # type: ignore[method-assign]
+    try:
+        engine.reset_stats()
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        del runner.execute
+    its = engine.stats().iterations
+    engine.reset_stats()
+    if len(its) != len(calls):
+        raise RuntimeError(f"calibration: {len(its)} recorded iterations but {len(calls)} forward passes")
+    return Calibration([o for o, _ in calls], [it.step_time for it in its], [it.schedule_time for it in its],
+                       [t for _, t in calls], [b.start_time - a.end_time for a, b in zip(its, its[1:])])
+
+
+def holdout(shapes: Sequence[BatchShape]) -> np.ndarray:
+    """Every ``HOLDOUT_EVERY``-th hybrid shape (decodes and chunks together, as serving runs them): held out of
+    the fit to measure its error. The decode-only and chunk-only shapes all stay in, since they alone pin down the
+    token curve at small and large batches."""
+    hybrid = np.array([bool(s.decode_contexts and s.chunks) for s in shapes])
+    return hybrid & (np.cumsum(hybrid) % HOLDOUT_EVERY == 0)
+
+
+def fit_cost_model(terms: Sequence[Sequence[float]], times: Sequence[float], held: np.ndarray, knots: Sequence[int],
+                   calibration: Calibration) -> tuple[ProfiledCostModel, dict[str, Any]]:
+    """Fit the forward pass (token curve at ``knots``, ``TERMS``) on the ``(terms, times)`` rows not ``held``
+    out, and the host overheads on ``calibration``; returns the model and its fit quality (training shapes,
+    held-out shapes, the calibration's whole engine steps)."""
+    a, y = np.asarray(terms, dtype=np.float64), np.asarray(times, dtype=np.float64)
+    forward = ProfiledCostModel(knots, *fit_profile(a[~held], y[~held], knots))
+    quality: dict[str, Any] = {"train": fit_quality(forward.forward_time(a[~held]), y[~held]),
+                               "held_out": fit_quality(forward.forward_time(a[held]), y[held]) if held.any() else None}
+    rows = np.array([[1.0, len(o.scheduled)] for o in calibration.outputs])
+    sched = nnls(rows, np.asarray(calibration.schedule_times))
+    # host time of a step outside schedule() and the forward pass (update, bookkeeping): per step, per request
+    rest = np.asarray(calibration.step_times) - np.asarray(calibration.schedule_times) - \
+        np.asarray(calibration.forward_times)
+    host = nnls(rows, np.maximum(rest, 0.0))
+    coefficients = dict(forward.coefficients)
+    coefficients["decode_tokens"] += float(host[1])
+    coefficients["prefill_chunks"] += float(host[1])
+    model = ProfiledCostModel(knots, [t + float(host[0]) for t in forward.token_times], coefficients,
+                              schedule_constant=float(sched[0]), schedule_per_request=float(sched[1]),
+                              step_gap=float(np.median(calibration.gaps)) if calibration.gaps else 0.0)
+    quality["engine_steps"] = fit_quality([model.predict(o).step_time for o in calibration.outputs],
+                                          calibration.step_times)
+    return model, quality
+
+
+def profile(model: str | Path | None = None, *, quick: bool = False, repeats: int = 3, max_tokens: int = 512,
+            max_context: int = 1024, max_decodes: int = 64, seed: int = 0, progress: bool = True,
+            engine: LLMEngine | None = None, **engine_options: Any) -> ProfiledCostModel:
+    """Profile ``model`` (or ``engine``'s loaded weights) on this machine and return the fitted cost model.
+
+    quick, max_tokens, max_context, max_decodes, seed: the grid (``profile_grid``). repeats: timed runs per
+    shape (the median counts). engine_options: as for ``LLMEngine`` (``dtype``, ``device``, ``block_size``,
+    ``num_kv_blocks``, ...); the simulator later derives the same KV pool from the saved model.
+    """
+    wall = time.perf_counter()
+    load_start = os.getloadavg()
+    engine = build_engine(model, "sarathi", 128, engine, **engine_options)
+    warm_up(engine)
+    shapes = profile_grid(max_tokens=max_tokens, max_context=max_context, max_decodes=max_decodes, quick=quick,
+                          seed=seed)
+    cfg = engine.scheduler_config
+    rng = np.random.default_rng(seed)
+    outputs = [s.output(cfg.block_size, cfg.num_blocks, engine.model_config.vocab_size, rng) for s in shapes]
+    terms = [batch_terms(o) for o in outputs]
+    times = time_outputs(engine, outputs, repeats=repeats, progress=progress)
+    calibration = calibrate(engine, seed=seed)
+    cost, quality = fit_cost_model(terms, times, holdout(shapes), powers_of_two(max_tokens), calibration)
+    per_token = kv_cache_bytes_per_block(engine.model, 1, engine.dtype)
+    cost.kv_bytes_per_token = per_token
+    cost.kv_cache_memory = cfg.num_blocks * cfg.block_size * per_token
+    cost.max_position_embeddings = engine.model_config.max_position_embeddings
+    cost.meta = {"model": engine.model_path.name, "dtype": str(engine.dtype).removeprefix("torch."),
+                 "device": str(engine.device), "attention_backend": engine.runner.attention_backend,
+                 "machine": machine(), "threads": torch.get_num_threads(),
+                 "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": list(load_start),
+                 "load_average_end": list(os.getloadavg()), "wall_time": time.perf_counter() - wall,
+                 "grid": {"shapes": len(shapes), "repeats": repeats, "max_tokens": max_tokens,
+                          "max_context": max_context, "max_decodes": max_decodes, "quick": quick, "seed": seed},
+                 "fit": quality,
+                 "samples": [{"terms": dict(zip(("tokens", *TERMS), t)), "time": y} for t, y in zip(terms, times)]}
+    return cost
+

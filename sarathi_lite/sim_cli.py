@@ -1,0 +1,150 @@
+"""``sarathi-lite sim`` and ``sarathi-lite profile``: the simulator from the command line.
+
+sim: the same workload and comparison flags as ``bench`` (``--policies`` x ``--chunk-sizes``), plus
+``--cost-model`` (a profile JSON from ``sarathi-lite profile``, or ``roofline:HW[:MODEL]``); prints the same table,
+writes the same JSON/CSV (and with ``--plot`` a PNG). ``--capacity`` searches each policy's capacity under
+``--tbt-slo`` instead, as ``sarathi-lite capacity`` does. profile: time this machine's model runner over a grid
+of batch shapes and save the fitted cost model (about 1-2 minutes for SmolLM2-135M on 2 CPU cores; ``--quick``
+about a third).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.bench_cli import _csv, _policies, add_workload_args, build_workload, capacity_table
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from sarathi_lite import sim
+    from sarathi_lite.results import compare, save_results
+
+    cost_model = sim.load_cost_model(args.cost_model)
+    workload = build_workload(args)
+    options = {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
+               "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
+    print(f"workload: {workload.describe()}")
+    print(f"cost model: {_describe(cost_model.describe())}")
+    if args.capacity:
+        return _capacity(args, sim, cost_model, workload, options)
+    results = sim.run(workload, cost_model, policies=_policies(args), chunk_sizes=args.chunk_sizes or [args.chunk_size],
+                      **options)
+    wall = sum(r.meta["wall_time"] for r in results)
+    print(f"\nsimulated {len(results)} configuration(s) in {wall:.2f} s")
+    print(compare(results))
+    paths = save_results(results, args.out)
+    if args.plot:
+        from sarathi_lite.plots import plot_results
+
+        paths.append(plot_results(results, Path(args.out) / "sim.png"))
+    print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
+    return 0
+
+
+def _capacity(args: argparse.Namespace, sim: Any, cost_model: Any, workload: Any, options: dict[str, Any]) -> int:
+    from sarathi_lite.capacity import SLO
+
+    if args.tbt_slo is None:
+        raise ValueError("--capacity needs --tbt-slo (seconds)")
+    slo = SLO(args.tbt_slo, args.max_scheduling_delay)
+    print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
+    found = sim.capacity(workload, cost_model, slo, policies=_policies(args), chunk_size=args.chunk_size,
+                         qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, **options)
+    print(capacity_table(found))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
+    written = [out / "capacity.json"]
+    if args.plot:
+        from sarathi_lite.plots import plot_capacity
+
+        written.append(plot_capacity(found, out / "capacity.png"))
+    print(f"wrote {', '.join(map(str, written))}")
+    return 0
+
+
+def _describe(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items() if v is not None)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from sarathi_lite.profiler import profile
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cost = profile(args.model, quick=args.quick, repeats=args.repeats, max_tokens=args.max_tokens,
+                   max_context=args.max_context, max_decodes=args.max_decodes, seed=args.seed,
+                   progress=not args.no_progress, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                   dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+    meta = cost.meta
+    print(f"{meta['machine']}; load average {meta['load_average_start'][0]:.2f} at start; "
+          f"{meta['grid']['shapes']} batch shapes in {meta['wall_time']:.0f} s")
+    print(f"{'term':<18} {'coefficient':>12}")
+    for term, value in cost.coefficients.items():
+        print(f"{term:<18} {value:>12.4g}")
+    print(f"host: schedule {1e6 * cost.schedule_constant:.0f} us + {1e6 * cost.schedule_per_request:.1f} us/request, "
+          f"gap between steps {1e6 * cost.step_gap:.0f} us")
+    for name, q in meta["fit"].items():
+        if q is not None:
+            print(f"fit on {name:<13} ({q['n']:>3}): R^2 {q['r2']:.3f}, relative error median "
+                  f"{100 * q['rel_err_p50']:.1f}%, p90 {100 * q['rel_err_p90']:.1f}%, "
+                  f"max {100 * q['rel_err_max']:.1f}%")
+    print(f"wrote {cost.save(args.out)}")
+    return 0
+
+
+def add_sim_parsers(sub: Any) -> None:
+    """Add ``sim`` and ``profile`` to the ``sarathi-lite`` subcommands."""
+    from sarathi_lite.scheduler import POLICIES
+
+    s = sub.add_parser("sim", help="simulate a workload under several scheduler configurations (no model run)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--cost-model", required=True,
+                   help="profile JSON (sarathi-lite profile) or roofline:HW[:MODEL], HW one of a100-80gb, h100, "
+                        "h200; MODEL a preset (llama3-8b, mistral-7b, smollm2-135m) or a config.json / folder")
+    add_workload_args(s)
+    s.add_argument("--scheduler", default=None, choices=POLICIES, help="one policy (see --policies)")
+    s.add_argument("--policies", type=_csv(str), default=None,
+                   help=f"comma-separated, of {','.join(POLICIES)} (default: --scheduler, else sarathi,vllm)")
+    s.add_argument("--chunk-size", type=int, default=128, help="token budget per iteration (chunked policies)")
+    s.add_argument("--chunk-sizes", type=_csv(int), default=None,
+                   help="comma-separated chunk sizes for the chunked policies (default: --chunk-size)")
+    s.add_argument("--max-num-seqs", type=int, default=128)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool (default: what the engine would allocate on the modelled deployment)")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
+    s.add_argument("--plot", action="store_true", help="also write sim.png (capacity.png with --capacity)")
+    g = s.add_argument_group("capacity search (--capacity)")
+    g.add_argument("--capacity", action="store_true",
+                   help="instead: per policy, the highest rate meeting --tbt-slo and --max-scheduling-delay")
+    g.add_argument("--tbt-slo", type=float, default=None, help="P99 TBT bound (seconds)")
+    g.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
+    g.add_argument("--qps-low", type=float, default=0.1)
+    g.add_argument("--qps-high", type=float, default=2.0)
+    g.add_argument("--probes", type=int, default=8, help="simulations per policy")
+    s.set_defaults(func=cmd_sim)
+
+    p = sub.add_parser("profile", help="time this machine's model runner over batch shapes; save a cost model")
+    p.add_argument("--model", default=None, help="built-in name (default smollm2-135m) or checkpoint folder")
+    p.add_argument("--out", default="profile.json", help="where to write the cost model (JSON)")
+    p.add_argument("--quick", action="store_true", help="a third of the grid (for notebooks and CI)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per batch shape (the median counts)")
+    p.add_argument("--max-tokens", type=int, default=512, help="largest batch (tokens) in the grid")
+    p.add_argument("--max-context", type=int, default=1024, help="longest cached context in the grid (tokens)")
+    p.add_argument("--max-decodes", type=int, default=64, help="most decodes in a batch of the grid")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (use the same for bench runs)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_profile)

@@ -1,0 +1,61 @@
+"""``sarathi-lite profile`` and ``sarathi-lite sim`` end to end: profile a tiny model, simulate with the saved
+profile (the bench table, JSON/CSV, plot), search capacity, and simulate a GPU with the roofline model.
+No timing assertions."""
+
+from __future__ import annotations
+
+import json
+
+from sarathi_lite.cli import main
+from sarathi_lite.cost_model import TERMS, ProfiledCostModel
+from sarathi_lite.results import BenchResult
+
+WORKLOAD = ["--lengths", "uniform:8-60:2-12", "--num-requests", "12", "--qps", "20"]
+
+
+def test_profile_fits_and_saves_a_cost_model_the_simulator_uses(tiny_checkpoints, tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(tiny_checkpoints["llama"]), "--quick", "--repeats", "1",
+                 "--max-tokens", "64", "--max-context", "64", "--max-decodes", "8", "--block-size", "4",
+                 "--num-kv-blocks", "256", "--device", "cpu", "--no-progress", "--out", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "fit on held_out" in text and "decode_attention" in text
+    cost = ProfiledCostModel.load(path)
+    assert set(cost.coefficients) == set(TERMS) and min(cost.coefficients.values()) >= 0
+    assert cost.token_knots == (1, 2, 4, 8, 16, 32, 64)
+    assert cost.meta["model"] == "llama" and cost.meta["grid"]["quick"] and cost.meta["fit"]["held_out"]["n"] > 0
+    assert cost.kv_cache_memory == 256 * 4 * cost.kv_bytes_per_token and cost.max_position_embeddings == 1024
+    samples = cost.meta["samples"]
+    assert len(samples) == cost.meta["grid"]["shapes"] and all(s["time"] > 0 for s in samples)
+    # decode-only, chunk-only and hybrid shapes are all in the grid
+    kinds = {(s["terms"]["decode_tokens"] > 0, s["terms"]["prefill_chunks"] > 0) for s in samples}
+    assert kinds == {(True, False), (False, True), (True, True)}
+
+    out = tmp_path / "sim"
+    assert main(["sim", "--cost-model", str(path), *WORKLOAD, "--policies", "sarathi,vllm", "--chunk-sizes",
+                 "16,32", "--block-size", "4", "--out", str(out), "--plot"]) == 0
+    text = capsys.readouterr().out
+    assert all(label in text for label in ("sarathi/16", "sarathi/32", "vllm", "TBT p50 ms", "simulated 3"))
+    assert {"sarathi_16.json", "sarathi_32.json", "vllm.json", "summary.csv", "sim.png"} <= {
+        p.name for p in out.iterdir()}
+    result = BenchResult.from_json(out / "sarathi_16.json")
+    assert result.meta["replay"] == "simulated" and result.meta["cost_model"]["file"] == str(path)
+    assert result.config["num_kv_blocks"] == 256 and result.config["model"] == "llama"
+
+
+def test_sim_capacity_search_with_the_roofline_model(tmp_path, capsys):
+    assert main(["sim", "--cost-model", "roofline:h100:llama3-8b", *WORKLOAD, "--capacity", "--tbt-slo", "0.05",
+                 "--qps-low", "1", "--qps-high", "400", "--probes", "6", "--policies", "sarathi,vllm",
+                 "--chunk-size", "256", "--out", str(tmp_path), "--plot"]) == 0
+    text = capsys.readouterr().out
+    assert "capacity req/s" in text and "sarathi/256" in text
+    found = json.loads((tmp_path / "capacity.json").read_text())
+    assert [c["label"] for c in found] == ["sarathi/256", "vllm"]
+    assert all(len(c["probes"]) <= 6 for c in found) and (tmp_path / "capacity.png").is_file()
+
+
+def test_sim_errors_are_reported_not_raised(tmp_path, capsys):
+    assert main(["sim", "--cost-model", str(tmp_path / "none.json"), *WORKLOAD, "--out", str(tmp_path)]) == 2
+    assert "neither a profile JSON" in capsys.readouterr().err
+    assert main(["sim", "--cost-model", "roofline:h100", *WORKLOAD, "--capacity", "--out", str(tmp_path)]) == 2
+    assert "--tbt-slo" in capsys.readouterr().err
