@@ -17,7 +17,11 @@ P99 TTFT and TBT, output-token throughput, and their relative errors; plus two d
 - ``replay``: the largest relative error of the same metrics when the simulator replays the real run's measured
   step times (``ReplayCostModel``): zero up to rounding if the event loop is faithful.
 
-Writes ``<out>/accuracy.json``, ``<out>/accuracy.md`` and every run's JSON under ``<out>/real`` and ``<out>/sim``.
+With ``--repeat`` the real configurations run a second time, and a second table shows how much the real metrics
+themselves move from run to run: the floor under any prediction's error.
+
+Writes ``<out>/accuracy.json``, ``<out>/accuracy.md`` and every run's JSON under ``<out>/real`` (``real_repeat``)
+and ``<out>/sim``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--policies", default="sarathi,simple_chunking")
     ap.add_argument("--chunk-sizes", default="64,128,256")
+    ap.add_argument("--repeat", action="store_true",
+                    help="run the real configurations twice: their run-to-run variation is the noise floor")
     ap.add_argument("--out", type=Path, default=Path("results/sim_accuracy"))
     return ap.parse_args()
 
@@ -88,7 +94,7 @@ def rel(pred: float | None, real: float | None) -> float | None:
 
 def compare_runs(real: BenchResult, predicted: BenchResult, replayed: BenchResult, cost: ProfiledCostModel
                  ) -> dict[str, Any]:
-    r, p, q = real.summary(), predicted.summary(), replayed.summary()
+    r, q = real.summary(), replayed.summary()
     steps = [it.step_time for it in real.stats.iterations]
     step_pred = [cost.predict(o).step_time for o in real_batches(real)]
     row: dict[str, Any] = {"label": real.label, "iterations_real": len(steps),
@@ -96,23 +102,31 @@ def compare_runs(real: BenchResult, predicted: BenchResult, replayed: BenchResul
                            "step_rel_err_p50": float(np.median(np.abs(np.subtract(step_pred, steps)) / steps)),
                            "step_bias": float(np.sum(step_pred) / np.sum(steps) - 1),
                            "replay_max_rel_err": max(abs(rel(q[k], r[k]) or 0.0) for _, k, *_ in METRICS),
-                           "load_average_real": real.meta["load_average_start"][0]}
-    for _, key, *_ in METRICS:
-        row[key] = {"real": r[key], "sim": p[key], "rel_err": rel(p[key], r[key])}
+                           "load_average_real": real.meta["load_average_start"][0],
+                           "metrics": metric_rows(real, predicted)}
     return row
 
 
-def table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
-    head = ["config"] + [f"{name} {unit} real / sim (err)" for name, _, _, unit, _ in METRICS] + ["step err",
-                                                                                                 "replay"]
+def metric_rows(first: BenchResult, second: BenchResult) -> dict[str, Any]:
+    """Per metric: ``first``'s and ``second``'s values and the relative difference of the second."""
+    a, b = first.summary(), second.summary()
+    return {key: {"a": a[key], "b": b[key], "rel": rel(b[key], a[key])} for _, key, *_ in METRICS}
+
+
+def table(rows: list[dict[str, Any]], names: str = "real / sim", markdown: bool = False) -> str:
+    """One line per row: its label, each metric as ``a / b (relative difference)``, and the diagnostics when the
+    rows have them."""
+    diagnostics = "step_rel_err_p50" in rows[0]
+    head = ["config"] + [f"{name} {unit} {names}" for name, _, _, unit, _ in METRICS]
+    head += ["step err", "replay"] if diagnostics else []
     lines = []
     for row in rows:
         cells = [row["label"]]
         for _, key, scale, _, fmt in METRICS:
-            m = row[key]
-            cells.append(f"{fmt.format(m['real'] * scale)} / {fmt.format(m['sim'] * scale)} "
-                         f"({100 * m['rel_err']:+.1f}%)")
-        cells += [f"{100 * row['step_rel_err_p50']:.1f}%", f"{100 * row['replay_max_rel_err']:.0e}%"]
+            m = row["metrics"][key]
+            cells.append(f"{fmt.format(m['a'] * scale)} / {fmt.format(m['b'] * scale)} ({100 * m['rel']:+.1f}%)")
+        if diagnostics:
+            cells += [f"{100 * row['step_rel_err_p50']:.1f}%", f"{100 * row['replay_max_rel_err']:.0e}%"]
         lines.append(cells)
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
@@ -153,11 +167,21 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     save_results(real, args.out / "real")
     save_results(predicted, args.out / "sim")
+    markdown = table(rows, markdown=True)
+    repeats = []
+    if args.repeat:
+        again = bench.run(workload, configs=configs, model=args.model, record_batches=True)
+        save_results(again, args.out / "real_repeat")
+        repeats = [{"label": a.label, "metrics": metric_rows(a, b)} for a, b in zip(real, again)]
+        print(f"\nrun-to-run variation of the real runs (load average {os.getloadavg()[0]:.2f} now)")
+        print(table(repeats, "run 1 / run 2"))
+        markdown += "\n\nRun-to-run variation of the real runs:\n\n" + table(repeats, "run 1 / run 2", markdown=True)
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": bench.machine(),
               "profile": str(args.profile), "profile_meta": {k: v for k, v in cost.meta.items() if k != "samples"},
-              "workload": workload.to_dict()["source"], "workload_description": workload.describe(), "rows": rows}
+              "workload": workload.to_dict()["source"], "workload_description": workload.describe(), "rows": rows,
+              "repeat_rows": repeats}
     (args.out / "accuracy.json").write_text(json.dumps(record, indent=1))
-    (args.out / "accuracy.md").write_text(table(rows, markdown=True) + "\n")
+    (args.out / "accuracy.md").write_text(markdown + "\n")
     print(f"wrote {args.out / 'accuracy.json'}, {args.out / 'accuracy.md'}")
 
 

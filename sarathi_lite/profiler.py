@@ -7,7 +7,7 @@ Three parts, all on one ``LLMEngine`` (needs torch and the model):
    of varied size and cached context) and hybrids, built directly as ``SchedulerOutput``s on the engine's KV pool
    (its contents do not matter for timing); after one warm-up run of the largest, each is run ``repeats`` times
    and the median of ``ModelRunner.execute`` counts;
-2. the fit: the token curve at powers of two up to the largest batch, and the ``TERMS`` coefficients, by
+2. the fit: the token curve at ``token_knots`` up to the largest batch, and the ``TERMS`` coefficients, by
    non-negative least squares on the squared relative error; every fifth hybrid shape is held out and its error
    reported;
 3. the calibration: a short real offline run through ``LLMEngine.step``, whose measured scheduling time, host
@@ -76,14 +76,13 @@ class BatchShape:
 def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes: int = 64, quick: bool = False,
                  seed: int = 0) -> list[BatchShape]:
     """Batch shapes covering what serving runs up to ``max_tokens`` tokens per step, ``max_context`` cached
-    tokens per request and ``max_decodes`` decodes: decode-only batches (every power of two up to
-    ``max_decodes``, contexts drawn up to a small, medium or full cap), chunk-only batches (every power of two
-    from 16 to ``max_tokens``; cached context 0 or drawn; also as two chunks) and hybrids (decodes plus chunks
-    filling a power-of-two token budget), in a seeded random order. quick: each kind once instead of twice, and a
-    third of the hybrids (for a notebook or CI)."""
+    tokens per request and ``max_decodes`` decodes, in a seeded random order: decode-only batches (twice each
+    ``token_knots`` size up to ``max_decodes``, contexts drawn up to a small, medium or full cap), chunk-only
+    batches (each knot from 16 to ``max_tokens``, as one chunk and as two; cached context 0 or drawn) and hybrids
+    (twice per knot: a random number of decodes plus one or two chunks filling it). quick: decode-only sizes and
+    hybrids once, chunks only as one (for a notebook or CI)."""
     rng = np.random.default_rng(seed)
     caps = (max(max_context // 16, 1), max(max_context // 4, 1), max_context)
-    copies = 1 if quick else 2
 
     def contexts(n: int) -> tuple[int, ...]:
         return tuple(int(c) for c in rng.integers(1, caps[rng.integers(3)] + 1, n))
@@ -92,12 +91,12 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
         computed = 0 if rng.random() < 0.4 else int(rng.integers(1, max_context + 1))
         return computed, new, bool(rng.random() < 0.5)
 
-    budgets = [b for b in powers_of_two(max_tokens) if b >= 16]
-    shapes = [BatchShape(contexts(n)) for n in powers_of_two(max_decodes) for _ in range(copies)]
-    shapes += [BatchShape((), (chunk(b),)) for b in budgets for _ in range(copies)]
-    shapes += [BatchShape((), (chunk(b // 2), chunk(b - b // 2))) for b in budgets]
-    for _ in range(2 * len(budgets) if quick else 6 * len(budgets)):
-        budget = int(rng.choice(budgets))
+    budgets = [b for b in token_knots(max_tokens) if b >= 16]
+    shapes = [BatchShape(contexts(n)) for n in token_knots(max_decodes) for _ in range(1 if quick else 2)]
+    shapes += [BatchShape((), (chunk(b),)) for b in budgets]
+    if not quick:
+        shapes += [BatchShape((), (chunk(b // 2), chunk(b - b // 2))) for b in budgets]
+    for budget in budgets * (1 if quick else 2):
         n = int(rng.integers(1, min(max_decodes, budget - 1) + 1))
         rest = budget - n
         parts = (chunk(rest),) if rng.random() < 0.7 or rest < 2 else (chunk(rest // 2), chunk(rest - rest // 2))
@@ -105,9 +104,11 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
     return [shapes[i] for i in rng.permutation(len(shapes))]
 
 
-def powers_of_two(limit: int) -> list[int]:
-    """1, 2, 4, ... up to ``limit``, and ``limit`` itself if it is not one."""
-    out = [2 ** k for k in range(limit.bit_length()) if 2 ** k <= limit]
+def token_knots(limit: int) -> list[int]:
+    """Batch sizes (tokens) up to ``limit`` where the token curve is measured: 1, 2, 3, then powers of two and
+    the midpoints 1.5 times them (4, 6, 8, 12, 16, 24, ...), and ``limit`` itself. CPU BLAS libraries switch
+    kernels at small batch sizes (on this machine from 3 to 4 rows), so the small sizes are all knots."""
+    out = sorted({n for k in range(limit.bit_length()) for n in (2 ** k, 3 * 2 ** k // 2) if 1 <= n <= limit})
     return out if out[-1] == limit else out + [limit]
 
 
@@ -229,7 +230,8 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     terms = [batch_terms(o) for o in outputs]
     times = time_outputs(engine, outputs, repeats=repeats, progress=progress)
     calibration = calibrate(engine, seed=seed)
-    cost, quality = fit_cost_model(terms, times, holdout(shapes), powers_of_two(max_tokens), calibration)
+    knots = sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})  # the knots some batch measured exactly
+    cost, quality = fit_cost_model(terms, times, holdout(shapes), knots, calibration)
     per_token = kv_cache_bytes_per_block(engine.model, 1, engine.dtype)
     cost.kv_bytes_per_token = per_token
     cost.kv_cache_memory = cfg.num_blocks * cfg.block_size * per_token

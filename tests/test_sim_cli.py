@@ -22,7 +22,7 @@ def test_profile_fits_and_saves_a_cost_model_the_simulator_uses(tiny_checkpoints
     assert "fit on held_out" in text and "decode_attention" in text
     cost = ProfiledCostModel.load(path)
     assert set(cost.coefficients) == set(TERMS) and min(cost.coefficients.values()) >= 0
-    assert cost.token_knots == (1, 2, 4, 8, 16, 32, 64)
+    assert cost.token_knots == (1, 2, 3, 4, 6, 8, 16, 24, 32, 48, 64)
     assert cost.meta["model"] == "llama" and cost.meta["grid"]["quick"] and cost.meta["fit"]["held_out"]["n"] > 0
     assert cost.kv_cache_memory == 256 * 4 * cost.kv_bytes_per_token and cost.max_position_embeddings == 1024
     samples = cost.meta["samples"]
