@@ -14,7 +14,7 @@ Steps, each printed as it finishes:
 3. at one load (``--qps``, default: the capacity found for ``sarathi``), every ``--policies`` at ``--chunk-size``
    and ``sarathi`` at every ``--chunk-sizes``.
 
-    python benchmarks/serving.py --threads 1        # about 40 minutes on 2 CPU cores
+    python benchmarks/serving.py --threads 1        # about 31 minutes on 2 CPU cores
 
 Writes every run's JSON and CSVs under ``--results`` (default results/serving), and the figures,
 ``serving_results.md`` and ``serving_results.json`` under ``--docs`` (default docs/).
