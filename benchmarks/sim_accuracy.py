@@ -10,12 +10,15 @@ and in the same machine conditions as this script.
     python benchmarks/sim_accuracy.py --profile results/sim_accuracy/profile.json --threads 2
 
 For each configuration (``--policies`` x ``--chunk-sizes``) it prints and stores, measured vs predicted: P50 and
-P99 TTFT and TBT, output-token throughput, and their relative errors; plus two diagnostics:
+P99 TTFT and TBT, output-token throughput, and their relative errors; plus three diagnostics:
 
 - ``step err``: the cost model's median relative error on the real run's own batches (its step times measured
   against the model's prediction for exactly those batches);
 - ``replay``: the largest relative error of the same metrics when the simulator replays the real run's measured
-  step times (``ReplayCostModel``): zero up to rounding if the event loop is faithful.
+  step times (``ReplayCostModel``): zero up to rounding if the event loop is faithful;
+- the machine's speed around each real run: a few reference batches timed just before and just after it, over
+  the cost model's prediction for them (1.0: as fast as when profiled). A second table repeats the comparison
+  with the cost model scaled by it, which separates the model's error from the machine's drift.
 
 With ``--repeat`` the real configurations run a second time, and a second table shows how much the real metrics
 themselves move from run to run: the floor under any prediction's error.
@@ -27,6 +30,7 @@ and ``<out>/sim``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -38,8 +42,10 @@ import numpy as np
 import torch
 
 from sarathi_lite import bench, sim
-from sarathi_lite.cost_model import ProfiledCostModel, ReplayCostModel
-from sarathi_lite.results import BenchResult, save_results
+from sarathi_lite.cost_model import ProfiledCostModel, ReplayCostModel, batch_terms
+from sarathi_lite.engine import LLMEngine
+from sarathi_lite.profiler import BatchShape, time_outputs
+from sarathi_lite.results import BenchResult, config_label, save_results
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 from sarathi_lite.workload import Workload
 
@@ -68,8 +74,53 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--chunk-sizes", default="64,128,256")
     ap.add_argument("--repeat", action="store_true",
                     help="run the real configurations twice: their run-to-run variation is the noise floor")
+    ap.add_argument("--real-from", type=Path, default=None,
+                    help="instead of running them, take the real runs from a previous run's --out folder")
+    ap.add_argument("--no-jitter", action="store_true", help="simulate the typical step time only")
     ap.add_argument("--out", type=Path, default=Path("results/sim_accuracy"))
     return ap.parse_args()
+
+
+PROBE = (BatchShape((250,) * 3), BatchShape((250,) * 10), BatchShape((250,) * 6, ((100, 58, False),)),
+         BatchShape((250,) * 8, ((0, 120, True),)), BatchShape((), ((200, 256, False),)))
+"""Reference batches whose measured time over the cost model's prediction tells how fast the machine is now,
+relative to when it was profiled (a shared VM's speed drifts by tens of percent over minutes)."""
+
+
+def machine_speed(engine: LLMEngine, cost: ProfiledCostModel) -> float:
+    """Median over ``PROBE`` of measured / predicted forward time: 1.0 = as fast as when profiled, 1.2 = 20%
+    slower."""
+    cfg = engine.scheduler_config
+    outs = [b.output(cfg.block_size, cfg.num_blocks, engine.model_config.vocab_size, np.random.default_rng(0))
+            for b in PROBE]
+    measured = [np.median(runs) for runs in time_outputs(engine, outs, repeats=3, progress=False)]
+    return float(np.median(np.divide(measured, cost.forward_time([batch_terms(o) for o in outs]))))
+
+
+def measure(workload: Workload, configs: list[tuple[str, int | None]], engine: LLMEngine,
+            cost: ProfiledCostModel) -> list[BenchResult]:
+    """Real-time replays of ``configs`` (sharing ``engine``'s weights), each with ``meta["speed"]``: the mean of
+    ``machine_speed`` just before and just after it."""
+    results = []
+    for config in configs:
+        before = machine_speed(engine, cost)
+        [result] = bench.run(workload, configs=[config], engine=engine, record_batches=True)
+        after = machine_speed(engine, cost)
+        result.meta.update(speed=(before + after) / 2, speed_before=before, speed_after=after)
+        logging.info("%s: machine speed %.2f before, %.2f after", result.label, before, after)
+        results.append(result)
+    return results
+
+
+def scaled(cost: ProfiledCostModel, factor: float) -> ProfiledCostModel:
+    """``cost`` with every forward-pass time multiplied by ``factor`` (host overheads unchanged)."""
+    return dataclasses.replace(cost, token_times=[t * factor for t in cost.token_times],
+                               coefficients={k: v * factor for k, v in cost.coefficients.items()})
+
+
+def load_real(folder: Path, configs: list[tuple[str, int | None]]) -> list[BenchResult]:
+    """The saved real results of ``configs``, in that order."""
+    return [BenchResult.from_json(folder / f"{config_label(p, c).replace('/', '_')}.json") for p, c in configs]
 
 
 def real_batches(result: BenchResult) -> list[SchedulerOutput]:
@@ -96,7 +147,8 @@ def compare_runs(real: BenchResult, predicted: BenchResult, replayed: BenchResul
                  ) -> dict[str, Any]:
     r, q = real.summary(), replayed.summary()
     steps = [it.step_time for it in real.stats.iterations]
-    step_pred = [cost.predict(o).step_time for o in real_batches(real)]
+    typical = dataclasses.replace(cost, jitter=())
+    step_pred = [typical.predict(o).step_time for o in real_batches(real)]
     row: dict[str, Any] = {"label": real.label, "iterations_real": len(steps),
                            "iterations_sim": len(predicted.stats.iterations),
                            "step_rel_err_p50": float(np.median(np.abs(np.subtract(step_pred, steps)) / steps)),
@@ -142,6 +194,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cost = ProfiledCostModel.load(args.profile)
+    if args.no_jitter:
+        cost = dataclasses.replace(cost, jitter=())
     if cost.meta.get("threads") != torch.get_num_threads():
         logging.warning("the profile was taken with %s threads, this run uses %d", cost.meta.get("threads"),
                         torch.get_num_threads())
@@ -150,16 +204,23 @@ def main() -> None:
                                    max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
     print(f"workload: {workload.describe()}")
     configs = bench.configurations(args.policies.split(","), [int(c) for c in args.chunk_sizes.split(",")])
-    real = bench.run(workload, configs=configs, model=args.model, record_batches=True)
+    if args.real_from:
+        real = load_real(args.real_from / "real", configs)
+    else:
+        engine = bench.build_engine(args.model, "sarathi", 128)
+        real = measure(workload, configs, engine, cost)
     rows, predicted = [], []
     for r in real:
         c = r.config
         options = {"max_num_seqs": c["max_num_seqs"], "block_size": c["block_size"],
                    "num_kv_blocks": c["num_kv_blocks"], "max_model_len": c["max_model_len"]}
-        [p] = sim.run(workload, cost, configs=[(c["policy"], c["chunk_size"])], **options)
-        [q] = sim.run(workload, ReplayCostModel.from_result(r), configs=[(c["policy"], c["chunk_size"])], **options)
+        config = [(c["policy"], c["chunk_size"])]
+        [p] = sim.run(workload, cost, configs=config, **options)
+        [q] = sim.run(workload, ReplayCostModel.from_result(r), configs=config, **options)
+        [at_speed] = sim.run(workload, scaled(cost, r.meta["speed"]), configs=config, **options)
         predicted.append(p)
-        rows.append(compare_runs(r, p, q, cost))
+        rows.append({**compare_runs(r, p, q, cost), "speed": r.meta["speed"],
+                     "metrics_at_speed": metric_rows(r, at_speed)})
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{bench.machine()}; load average {os.getloadavg()[0]:.2f} now; profile {args.profile} "
           f"(threads {cost.meta.get('threads')}, load {cost.meta.get('load_average_start', ['?'])[0]})")
@@ -169,8 +230,15 @@ def main() -> None:
     save_results(predicted, args.out / "sim")
     markdown = table(rows, markdown=True)
     repeats = []
+    speed_rows = [{"label": row["label"], "metrics": row["metrics_at_speed"]} for row in rows]
+    print("\nthe same, with the cost model scaled by the machine's speed measured around each real run "
+          "(speed: " + ", ".join(f"{row['label']} {row['speed']:.2f}" for row in rows) + ")")
+    print(table(speed_rows))
+    markdown += "\n\nWith the cost model scaled by the machine's speed around each real run:\n\n" + \
+        table(speed_rows, markdown=True)
     if args.repeat:
-        again = bench.run(workload, configs=configs, model=args.model, record_batches=True)
+        again = load_real(args.real_from / "real_repeat", configs) if args.real_from else \
+            measure(workload, configs, engine, cost)
         save_results(again, args.out / "real_repeat")
         repeats = [{"label": a.label, "metrics": metric_rows(a, b)} for a, b in zip(real, again)]
         print(f"\nrun-to-run variation of the real runs (load average {os.getloadavg()[0]:.2f} now)")

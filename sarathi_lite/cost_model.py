@@ -8,7 +8,8 @@ questions the real engine's clock answers:
   both in seconds, as ``IterationRecord`` measures them;
 - ``start_time(ready)``: when the next iteration starts, given that the engine became ready at ``ready`` (the
   previous iteration's end, or the arrival that ended an idle spell): ``ready + step_gap``, the host's time
-  between steps (recording metrics, building outputs, the replay loop's look at the clock).
+  between steps (recording metrics, building outputs, the replay loop's look at the clock);
+- ``reset(seed)``: called before each simulation, for models with state.
 
 Models:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,10 @@ class CostModel:
         """When the next iteration starts (seconds) if the engine is ready at ``ready``."""
         return ready + self.step_gap
 
+    def reset(self, seed: int) -> None:
+        """Start a new simulation: the simulator calls this first, so a model with state (a replay's position,
+        a random draw's generator) gives every simulation the same sequence whatever ran before."""
+
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description, stored in a simulated result's ``meta``: ``kind``, and the deployment it
         models (``model``, ``dtype``, ``device``, ``attention_backend``; ``None`` where unknown), which a
@@ -118,11 +124,18 @@ class ProfiledCostModel(CostModel):
     step_time = schedule_time + g(query tokens) + sum(coefficients[t] * term t for t in TERMS)
     schedule_time = schedule_constant + schedule_per_request * (scheduled requests)
 
+    and, when ``jitter`` is given, the forward part (g and the terms) multiplied by a factor drawn per iteration
+    from that distribution: the same batch does not take the same time twice on a real machine, and a
+    deterministic model predicts the typical step, so it underestimates tail latencies (P99 TBT) by the width of
+    that spread.
+
     g is linear between ``token_knots`` (tokens) where it takes ``token_times`` (seconds): CPU BLAS libraries
     switch kernels with the batch size, so the cost of the projections is far from a straight line below a few
     dozen tokens. coefficients: seconds per unit of each term (missing terms are 0). schedule_constant (s),
-    schedule_per_request (s per scheduled request) and step_gap (s, between steps) are host overheads. meta: how
-    it was made (model, machine, threads, fit quality), free-form.
+    schedule_per_request (s per scheduled request) and step_gap (s, between steps) are host overheads. jitter:
+    quantiles (evenly spaced, from the 0th to the 100th percentile) of a step's time over its typical time, as
+    measured by the profile's repeated runs; empty: deterministic. meta: how it was made (model, machine, threads,
+    fit quality), free-form.
     """
 
     token_knots: tuple[int, ...]
@@ -134,8 +147,10 @@ class ProfiledCostModel(CostModel):
     kv_bytes_per_token: int | None = None
     kv_cache_memory: int | None = None
     max_position_embeddings: int | None = None
+    jitter: tuple[float, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
     _coef: tuple[float, ...] = field(init=False, repr=False)
+    _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_knots = tuple(int(k) for k in self.token_knots)
@@ -149,7 +164,12 @@ class ProfiledCostModel(CostModel):
             raise ValueError(f"unknown cost term(s) {', '.join(sorted(unknown))}; terms are {', '.join(TERMS)}")
         if any(v < 0 for v in (*self.coefficients.values(), *self.token_times)):
             raise ValueError("cost coefficients and token times must be >= 0")
+        self.jitter = tuple(float(q) for q in self.jitter)
+        if len(self.jitter) == 1 or any(a > b for a, b in zip(self.jitter, self.jitter[1:])) or \
+                any(q <= 0 for q in self.jitter):
+            raise ValueError(f"jitter must be at least two increasing positive quantiles, got {self.jitter}")
         self._coef = tuple(float(self.coefficients.get(t, 0.0)) for t in TERMS)
+        self._rng = random.Random(0)
 
     def token_time(self, tokens: float) -> float:
         """g(tokens): seconds of the dense layers for a batch of ``tokens`` query tokens."""
@@ -162,11 +182,19 @@ class ProfiledCostModel(CostModel):
     def predict(self, out: SchedulerOutput) -> StepTiming:
         tokens, *terms = batch_terms(out)
         sched = self.schedule_constant + self.schedule_per_request * len(out.scheduled)
-        return StepTiming(sched, sched + self.token_time(tokens) + sum(c * v for c, v in zip(self._coef, terms)))
+        forward = self.token_time(tokens) + sum(c * v for c, v in zip(self._coef, terms))
+        if self.jitter:  # inverse-CDF draw, linear between the quantiles
+            x = self._rng.random() * (len(self.jitter) - 1)
+            i = min(int(x), len(self.jitter) - 2)
+            forward *= self.jitter[i] + (x - i) * (self.jitter[i + 1] - self.jitter[i])
+        return StepTiming(sched, sched + forward)
+
+    def reset(self, seed: int) -> None:
+        self._rng.seed(seed)
 
     def describe(self) -> dict[str, Any]:
         keys = ("model", "dtype", "device", "attention_backend", "machine", "threads", "file")
-        return {"kind": "profiled", **{k: self.meta.get(k) for k in keys}}
+        return {"kind": "profiled", **{k: self.meta.get(k) for k in keys}, "jitter": bool(self.jitter)}
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": COST_MODEL_SCHEMA, "kind": "profiled", "token_knots": list(self.token_knots),
@@ -175,7 +203,7 @@ class ProfiledCostModel(CostModel):
                 "schedule_constant": self.schedule_constant, "schedule_per_request": self.schedule_per_request,
                 "step_gap": self.step_gap, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "kv_cache_memory": self.kv_cache_memory, "max_position_embeddings": self.max_position_embeddings,
-                "meta": self.meta}
+                "jitter": list(self.jitter), "meta": self.meta}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -189,7 +217,7 @@ class ProfiledCostModel(CostModel):
             raise ValueError(f"not a {COST_MODEL_SCHEMA} profiled cost model (schema={d.get('schema')!r}, "
                              f"kind={d.get('kind')!r})")
         fields = ("coefficients", "schedule_constant", "schedule_per_request", "step_gap", "kv_bytes_per_token",
-                  "kv_cache_memory", "max_position_embeddings", "meta")
+                  "kv_cache_memory", "max_position_embeddings", "jitter", "meta")
         return cls(d["token_knots"], d["token_times"], **{k: d[k] for k in fields if k in d})
 
     @classmethod
@@ -222,6 +250,9 @@ class ReplayCostModel(CostModel):
         spec = result.workload.requests[0]
         first = next(m for m in result.stats.requests if m.request_id == spec.request_id)
         return cls(result.stats.iterations, first.arrival_time - spec.arrival_time, result.config)
+
+    def reset(self, seed: int) -> None:
+        self.next = 0
 
     def start_time(self, ready: float) -> float:
         if self.next >= len(self.starts):

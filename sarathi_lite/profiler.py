@@ -5,11 +5,12 @@ Three parts, all on one ``LLMEngine`` (needs torch and the model):
 
 1. the grid: decode-only batches (1 to 64 decodes, varied contexts), prompt-chunk-only batches (one or two chunks
    of varied size and cached context) and hybrids, built directly as ``SchedulerOutput``s on the engine's KV pool
-   (its contents do not matter for timing); after one warm-up run of the largest, each is run ``repeats`` times
-   and the median of ``ModelRunner.execute`` counts;
+   (its contents do not matter for timing); after one warm-up run of the largest, all are run in ``repeats``
+   passes and each batch's median time of ``ModelRunner.execute`` counts;
 2. the fit: the token curve at ``token_knots`` up to the largest batch, and the ``TERMS`` coefficients, by
-   non-negative least squares on the squared relative error; every fifth hybrid shape is held out and its error
-   reported;
+   non-negative least squares on the squared relative error of each batch's median time; every fifth hybrid
+   shape is held out and its error reported; the spread of the single runs around the fit becomes the model's
+   jitter;
 3. the calibration: a short real offline run through ``LLMEngine.step``, whose measured scheduling time, host
    time outside the forward pass (``update``) and gap between steps become the model's host overheads; its
    whole steps, predicted against measured, are reported as a second held-out check.
@@ -17,6 +18,7 @@ Three parts, all on one ``LLMEngine`` (needs torch and the model):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -41,6 +43,7 @@ from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 HOLDOUT_EVERY = 5
+JITTER_QUANTILES = 21  # every 5th percentile
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
@@ -113,9 +116,11 @@ def token_knots(limit: int) -> list[int]:
 
 
 def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repeats: int = 3,
-                 progress: bool = True) -> list[float]:
-    """Median seconds of ``engine.runner.execute`` per batch, after one warm-up run of the largest batch (which
-    sizes the attention backend's buffers)."""
+                 progress: bool = True) -> list[list[float]]:
+    """Seconds of ``engine.runner.execute`` per batch (``repeats`` runs each), timed in ``repeats`` passes
+    through all of them after one warm-up run of the largest batch (which sizes the attention backend's
+    buffers). Passes rather than back-to-back repeats: a slow spell of a shared machine then hits one run of
+    several batches instead of every run of one."""
     if engine.has_unfinished_requests():
         raise ValueError("profiling needs an idle engine (it writes into the KV pool)")
 
@@ -125,8 +130,12 @@ def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repea
         return time.perf_counter() - t0
 
     run(max(outputs, key=lambda o: (o.num_batched_tokens, len(o.scheduled))))
-    return [statistics.median(run(out) for _ in range(repeats))
-            for out in tqdm(outputs, desc="profile", unit="batch", leave=False, disable=not progress)]
+    with tqdm(total=repeats * len(outputs), desc="profile", unit="batch", leave=False, disable=not progress) as bar:
+        passes = []
+        for _ in range(repeats):
+            passes.append([run(out) for out in outputs])
+            bar.update(len(outputs))
+    return [list(runs) for runs in zip(*passes)]
 
 
 @dataclass(slots=True)
@@ -183,15 +192,18 @@ def holdout(shapes: Sequence[BatchShape]) -> np.ndarray:
     return hybrid & (np.cumsum(hybrid) % HOLDOUT_EVERY == 0)
 
 
-def fit_cost_model(terms: Sequence[Sequence[float]], times: Sequence[float], held: np.ndarray, knots: Sequence[int],
-                   calibration: Calibration) -> tuple[ProfiledCostModel, dict[str, Any]]:
-    """Fit the forward pass (token curve at ``knots``, ``TERMS``) on the ``(terms, times)`` rows not ``held``
-    out, and the host overheads on ``calibration``; returns the model and its fit quality (training shapes,
-    held-out shapes, the calibration's whole engine steps)."""
-    a, y = np.asarray(terms, dtype=np.float64), np.asarray(times, dtype=np.float64)
+def fit_cost_model(terms: Sequence[Sequence[float]], runs: Sequence[Sequence[float]], held: np.ndarray,
+                   knots: Sequence[int], calibration: Calibration) -> tuple[ProfiledCostModel, dict[str, Any]]:
+    """Fit the forward pass (token curve at ``knots``, ``TERMS``) to the median of each batch's ``runs`` for
+    the batches not ``held`` out, the host overheads on ``calibration``, and the jitter to every training run over
+    its prediction (``JITTER_QUANTILES`` quantiles); returns the model and its fit quality (training shapes,
+    held-out shapes, the calibration's whole engine steps; all of the typical step, without jitter)."""
+    a = np.asarray(terms, dtype=np.float64)
+    y = np.array([statistics.median(r) for r in runs])
     forward = ProfiledCostModel(knots, *fit_profile(a[~held], y[~held], knots))
-    quality: dict[str, Any] = {"train": fit_quality(forward.forward_time(a[~held]), y[~held]),
-                               "held_out": fit_quality(forward.forward_time(a[held]), y[held]) if held.any() else None}
+    predicted = forward.forward_time(a)
+    quality: dict[str, Any] = {"train": fit_quality(predicted[~held], y[~held]),
+                               "held_out": fit_quality(predicted[held], y[held]) if held.any() else None}
     rows = np.array([[1.0, len(o.scheduled)] for o in calibration.outputs])
     sched = nnls(rows, np.asarray(calibration.schedule_times))
     # host time of a step outside schedule() and the forward pass (update, bookkeeping): per step, per request
@@ -206,7 +218,8 @@ def fit_cost_model(terms: Sequence[Sequence[float]], times: Sequence[float], hel
                               step_gap=float(np.median(calibration.gaps)) if calibration.gaps else 0.0)
     quality["engine_steps"] = fit_quality([model.predict(o).step_time for o in calibration.outputs],
                                           calibration.step_times)
-    return model, quality
+    ratios = [t / p for r, p, h in zip(runs, predicted, held) if not h for t in r]
+    return dataclasses.replace(model, jitter=np.quantile(ratios, np.linspace(0, 1, JITTER_QUANTILES))), quality
 
 
 def profile(model: str | Path | None = None, *, quick: bool = False, repeats: int = 3, max_tokens: int = 512,
@@ -228,10 +241,10 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     rng = np.random.default_rng(seed)
     outputs = [s.output(cfg.block_size, cfg.num_blocks, engine.model_config.vocab_size, rng) for s in shapes]
     terms = [batch_terms(o) for o in outputs]
-    times = time_outputs(engine, outputs, repeats=repeats, progress=progress)
+    runs = time_outputs(engine, outputs, repeats=repeats, progress=progress)
     calibration = calibrate(engine, seed=seed)
     knots = sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})  # the knots some batch measured exactly
-    cost, quality = fit_cost_model(terms, times, holdout(shapes), knots, calibration)
+    cost, quality = fit_cost_model(terms, runs, holdout(shapes), knots, calibration)
     per_token = kv_cache_bytes_per_block(engine.model, 1, engine.dtype)
     cost.kv_bytes_per_token = per_token
     cost.kv_cache_memory = cfg.num_blocks * cfg.block_size * per_token
@@ -244,6 +257,6 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
                  "grid": {"shapes": len(shapes), "repeats": repeats, "max_tokens": max_tokens,
                           "max_context": max_context, "max_decodes": max_decodes, "quick": quick, "seed": seed},
                  "fit": quality,
-                 "samples": [{"terms": dict(zip(("tokens", *TERMS), t)), "time": y} for t, y in zip(terms, times)]}
+                 "samples": [{"terms": dict(zip(("tokens", *TERMS), t)), "runs": r} for t, r in zip(terms, runs)]}
     return cost
 

@@ -77,12 +77,13 @@ def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None,
 
 
 def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *, chunk_size: int | None = None,
-             record_batches: bool = False) -> BenchResult:
+             record_batches: bool = False, seed: int = 0) -> BenchResult:
     """Serve ``workload`` under ``config`` on a simulated clock (seconds from 0) and return what it recorded.
 
     Every request produces exactly its ``output_len`` tokens (as the real replay forces them). chunk_size:
     recorded in the configuration (default: ``config.chunk_size`` for chunked policies, else ``None``).
     record_batches: keep every iteration's ``(request_id, num_new_tokens)`` rows, as the engine's option.
+    seed: of the cost model's random draws, if it makes any (``cost_model.reset(seed)`` runs first).
     Raises ``ValueError`` if a request does not fit ``config.max_model_len``.
     """
     too_long = [r.request_id for r in workload.requests if r.prompt_len + r.output_len > config.max_model_len]
@@ -92,6 +93,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     if chunk_size is None and config.policy in CHUNKED_POLICIES:
         chunk_size = config.chunk_size
     wall = time.perf_counter()
+    cost_model.reset(seed)
     scheduler = make_scheduler(config)
     metrics = MetricsRecorder(record_batches=record_batches)
     specs = workload.requests

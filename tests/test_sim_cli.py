@@ -23,10 +23,11 @@ def test_profile_fits_and_saves_a_cost_model_the_simulator_uses(tiny_checkpoints
     cost = ProfiledCostModel.load(path)
     assert set(cost.coefficients) == set(TERMS) and min(cost.coefficients.values()) >= 0
     assert cost.token_knots == (1, 2, 3, 4, 6, 8, 16, 24, 32, 48, 64)
+    assert len(cost.jitter) == 21 and cost.jitter[0] < 1 < cost.jitter[-1]  # the spread of single runs
     assert cost.meta["model"] == "llama" and cost.meta["grid"]["quick"] and cost.meta["fit"]["held_out"]["n"] > 0
     assert cost.kv_cache_memory == 256 * 4 * cost.kv_bytes_per_token and cost.max_position_embeddings == 1024
     samples = cost.meta["samples"]
-    assert len(samples) == cost.meta["grid"]["shapes"] and all(s["time"] > 0 for s in samples)
+    assert len(samples) == cost.meta["grid"]["shapes"] and all(len(s["runs"]) == 1 for s in samples)
     # decode-only, chunk-only and hybrid shapes are all in the grid
     kinds = {(s["terms"]["decode_tokens"] > 0, s["terms"]["prefill_chunks"] > 0) for s in samples}
     assert kinds == {(True, False), (False, True), (True, True)}

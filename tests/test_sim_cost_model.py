@@ -136,13 +136,36 @@ def test_fit_quality_of_exact_and_biased_predictions():
     assert q["rel_err_p50"] == pytest.approx(0.1) and q["r2"] < 1
 
 
+def test_jitter_draws_step_times_from_the_measured_spread_reproducibly_per_seed():
+    model = ProfiledCostModel((1, 2), (0.1, 0.1), jitter=(0.8, 1.0, 1.0, 1.6))
+    out = batch([5])
+
+    def draws(seed: int) -> list[float]:
+        model.reset(seed)
+        return [model.predict(out).step_time for _ in range(3000)]
+
+    first = draws(1)
+    assert draws(1) == first and draws(2) != first
+    assert 0.08 <= min(first) and max(first) <= 0.16
+    # a third of the mass on each segment between quantiles: 0.8-1.0, exactly 1.0, 1.0-1.6
+    assert np.mean(np.array(first) < 0.1) == pytest.approx(1 / 3, abs=0.03)
+    assert np.mean(np.array(first) > 0.1) == pytest.approx(1 / 3, abs=0.03)
+    assert np.mean(first) == pytest.approx(0.1 * (0.9 + 1.0 + 1.3) / 3, rel=0.02)
+    assert ProfiledCostModel((1, 2), (0.1, 0.1)).predict(out).step_time == 0.1  # no jitter: deterministic
+    with pytest.raises(ValueError, match="jitter"):
+        ProfiledCostModel((1, 2), (0.1, 0.1), jitter=(1.2, 0.9))
+
+
 def test_profiled_model_round_trips_through_its_json_file(tmp_path):
     model = ProfiledCostModel((1, 8, 64), (0.01, 0.02, 0.1), {"sampled": 1e-3}, schedule_constant=1e-5,
                               schedule_per_request=1e-6, step_gap=2e-5, kv_bytes_per_token=4096,
-                              kv_cache_memory=1 << 30, max_position_embeddings=8192, meta={"model": "m", "threads": 2})
+                              kv_cache_memory=1 << 30, max_position_embeddings=8192, jitter=(0.9, 1.0, 1.2),
+                              meta={"model": "m", "threads": 2})
     back = load_cost_model(model.save(tmp_path / "p.json"))
     out = batch([5, 6], [(0, 7, True)])
-    assert back.predict(out) == model.predict(out)
+    back.reset(3)
+    model.reset(3)
+    assert back.predict(out) == model.predict(out) and back.jitter == (0.9, 1.0, 1.2)
     assert back.predict(out).schedule_time == pytest.approx(1e-5 + 3e-6)
     assert (back.kv_cache_memory, back.step_gap, back.meta["threads"]) == (1 << 30, 2e-5, 2)
     assert back.describe()["file"] == str(tmp_path / "p.json")

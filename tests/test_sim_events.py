@@ -86,6 +86,19 @@ def test_chunked_prefill_spans_steps_and_unchunked_policies_wait_for_a_free_slot
         (("a", 4),), (("a", 1),), (("a", 1),), (("b", 4),)]
 
 
+def test_a_simulation_with_random_step_times_depends_on_its_seed_only():
+    jittery = ProfiledCostModel((1, 2), (1.0, 1.0), jitter=(0.5, 1.0, 2.0))
+    wl = workload(("a", 0.0, 4, 6), ("b", 2.5, 4, 6), ("c", 4.0, 8, 4))
+
+    def timeline(seed: int) -> list[float]:
+        return [it.end_time for it in simulate(wl, jittery, config(), seed=seed).stats.iterations]
+
+    first = timeline(0)
+    simulate(wl, jittery, config(), seed=5)  # another simulation in between changes nothing
+    assert timeline(0) == first and timeline(1) != first
+    assert len({round(b - a, 9) for a, b in zip([0.0, *first], first)}) > 3  # steps really vary
+
+
 def test_scheduler_config_derives_the_pool_as_the_engine_does():
     cost = ProfiledCostModel((1, 2), (1.0, 1.0), kv_bytes_per_token=1000, kv_cache_memory=16_000_000,
                              max_position_embeddings=8192)
