@@ -165,6 +165,28 @@ def metric_rows(first: BenchResult, second: BenchResult) -> dict[str, Any]:
     return {key: {"a": a[key], "b": b[key], "rel": rel(b[key], a[key])} for _, key, *_ in METRICS}
 
 
+def mean_rows(first: BenchResult, second: BenchResult, predicted: BenchResult) -> dict[str, Any]:
+    """Per metric: the mean of two real runs' values, the prediction, and the prediction's relative error."""
+    a, b, p = first.summary(), second.summary(), predicted.summary()
+    out = {}
+    for _, key, *_ in METRICS:
+        mean = (a[key] + b[key]) / 2
+        out[key] = {"a": mean, "b": p[key], "rel": rel(p[key], mean)}
+    return out
+
+
+def within_counts(against_mean: list[dict[str, Any]], repeats: list[dict[str, Any]], bound: float = 0.10) -> str:
+    """How many (configuration, metric) cells the prediction gets within ``bound`` of the real mean, and how many
+    the two real runs themselves agree on within ``bound``."""
+    sim = [abs(row["metrics"][key]["rel"]) <= bound for row in against_mean for _, key, *_ in METRICS]
+    real = [abs(row["metrics"][key]["rel"]) <= bound for row in repeats for _, key, *_ in METRICS]
+    per_metric = ", ".join(
+        f"{name} {sum(abs(r['metrics'][key]['rel']) <= bound for r in against_mean)}/{len(against_mean)}"
+        for name, key, *_ in METRICS)
+    return (f"cells within {100 * bound:.0f}%: simulation vs real mean {sum(sim)}/{len(sim)} ({per_metric}); "
+            f"real run 2 vs real run 1 {sum(real)}/{len(real)}")
+
+
 def table(rows: list[dict[str, Any]], names: str = "real / sim", markdown: bool = False) -> str:
     """One line per row: its label, each metric as ``a / b (relative difference)``, and the diagnostics when the
     rows have them."""
@@ -229,7 +251,7 @@ def main() -> None:
     save_results(real, args.out / "real")
     save_results(predicted, args.out / "sim")
     markdown = table(rows, markdown=True)
-    repeats = []
+    repeats: list[dict[str, Any]] = []
     speed_rows = [{"label": row["label"], "metrics": row["metrics_at_speed"]} for row in rows]
     print("\nthe same, with the cost model scaled by the machine's speed measured around each real run "
           "(speed: " + ", ".join(f"{row['label']} {row['speed']:.2f}" for row in rows) + ")")
@@ -244,7 +266,14 @@ def main() -> None:
         print(f"\nrun-to-run variation of the real runs (load average {os.getloadavg()[0]:.2f} now)")
         print(table(repeats, "run 1 / run 2"))
         markdown += "\n\nRun-to-run variation of the real runs:\n\n" + table(repeats, "run 1 / run 2", markdown=True)
-    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": bench.machine(),
+        against_mean = [{"label": p.label, "metrics": mean_rows(a, b, p)} for a, b, p in zip(real, again, predicted)]
+        verdict = within_counts(against_mean, repeats)
+        print("\nthe simulation against the mean of the two real runs\n" + table(against_mean, "real mean / sim"))
+        print(verdict)
+        markdown += ("\n\nThe simulation against the mean of the two real runs:\n\n"
+                     + table(against_mean, "real mean / sim", markdown=True) + "\n\n" + verdict)
+    record = {"against_mean": against_mean if args.repeat else [],
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": bench.machine(),
               "profile": str(args.profile), "profile_meta": {k: v for k, v in cost.meta.items() if k != "samples"},
               "workload": workload.to_dict()["source"], "workload_description": workload.describe(), "rows": rows,
               "repeat_rows": repeats}
