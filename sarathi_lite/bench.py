@@ -75,10 +75,7 @@ def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = No
     if engine.has_unfinished_requests():
         raise ValueError("replay needs an idle engine; it has unfinished requests")
     cfg = engine.scheduler_config
-    too_long = [r.request_id for r in workload.requests if r.prompt_len + r.output_len > cfg.max_model_len]
-    if too_long:
-        raise ValueError(f"{len(too_long)} request(s) (e.g. {too_long[0]}) need more than max_model_len="
-                         f"{cfg.max_model_len} tokens; clip the workload (max_prompt, max_output)")
+    workload.check_fits(cfg.max_model_len)
     if chunk_size is None and cfg.policy in CHUNKED_POLICIES:
         chunk_size = cfg.chunk_size
     config = engine_config(engine, chunk_size)

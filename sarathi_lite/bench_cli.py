@@ -112,11 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         model=args.model, progress=not args.no_progress, **_engine_options(args))
     print(f"\n{results[0].meta['machine']}; load average {results[0].meta['load_average_start'][0]:.2f} at start")
     print(compare(results))
-    paths = save_results(results, args.out)
-    if args.plot:
-        from sarathi_lite.plots import plot_results
-
-        paths.append(plot_results(results, Path(args.out) / "bench.png"))
+    paths = save_results(results, args.out, plot="bench.png" if args.plot else None)
     print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
     return 0
 

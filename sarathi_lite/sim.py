@@ -86,10 +86,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     seed: of the cost model's random draws, if it makes any (``cost_model.reset(seed)`` runs first).
     Raises ``ValueError`` if a request does not fit ``config.max_model_len``.
     """
-    too_long = [r.request_id for r in workload.requests if r.prompt_len + r.output_len > config.max_model_len]
-    if too_long:
-        raise ValueError(f"{len(too_long)} request(s) (e.g. {too_long[0]}) need more than max_model_len="
-                         f"{config.max_model_len} tokens; clip the workload (max_prompt, max_output)")
+    workload.check_fits(config.max_model_len)
     if chunk_size is None and config.policy in CHUNKED_POLICIES:
         chunk_size = config.chunk_size
     wall = time.perf_counter()

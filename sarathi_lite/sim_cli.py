@@ -35,11 +35,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     wall = sum(r.meta["wall_time"] for r in results)
     print(f"\nsimulated {len(results)} configuration(s) in {wall:.2f} s")
     print(compare(results))
-    paths = save_results(results, args.out)
-    if args.plot:
-        from sarathi_lite.plots import plot_results
-
-        paths.append(plot_results(results, Path(args.out) / "sim.png"))
+    paths = save_results(results, args.out, plot="sim.png" if args.plot else None)
     print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
     return 0
 

@@ -148,6 +148,13 @@ class Workload:
 
     # ------------------------------------------------------------------ use
 
+    def check_fits(self, max_model_len: int) -> None:
+        """Raise ``ValueError`` if a request's prompt plus output exceeds ``max_model_len`` tokens."""
+        too_long = [r.request_id for r in self.requests if r.prompt_len + r.output_len > max_model_len]
+        if too_long:
+            raise ValueError(f"{len(too_long)} request(s) (e.g. {too_long[0]}) need more than max_model_len="
+                             f"{max_model_len} tokens; clip the workload (max_prompt, max_output)")
+
     def prompt_token_ids(self, vocab_size: int, first_id: int = 100) -> list[list[int]]:
         """One prompt per request (in ``requests`` order): ``prompt_len`` token ids drawn uniformly from
         ``[first_id, vocab_size)`` with the seed (ids below ``first_id``, special tokens in most vocabularies,

@@ -166,3 +166,10 @@ def test_the_conversation_trace_scaled_for_a_cpu():
                             max_output=64)
     assert len(w) == 200 and max(p for p, _ in lengths(w)) == 256 and max(o for _, o in lengths(w)) <= 64
     assert 1 < w.qps < 10  # the production trace's own arrival rate, a few requests per second
+
+
+def test_check_fits_names_the_requests_that_exceed_max_model_len():
+    wl = Workload.synthetic("fixed:100:28", num_requests=3, qps=1.0)
+    wl.check_fits(128)  # exactly 128 tokens fits
+    with pytest.raises(ValueError, match=r"3 request\(s\) .* more than max_model_len=127 tokens"):
+        wl.check_fits(127)
