@@ -136,21 +136,48 @@ def _cost_per_token(args: argparse.Namespace) -> int:
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from sarathi_lite import bench
-    from sarathi_lite.capacity import SLO
 
     workload = build_workload(args)
-    slo = SLO(args.tbt_slo, args.max_scheduling_delay)
     print(f"workload: {workload.describe()} (arrivals re-drawn per probe)")
-    print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
+    slo = slo_from_args(args)
     found = bench.capacity(workload, slo, policies=_policies(args), chunk_size=args.chunk_size,
                            qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, model=args.model,
                            progress=not args.no_progress, **_engine_options(args))
+    save_capacity(found, args.out)
+    return 0
+
+
+def add_capacity_args(g: Any, *, tbt_required: bool, probes: int, probes_help: str) -> None:
+    """The capacity search's flags (SLO, rate range, probes), shared by ``capacity`` and ``sim --capacity``."""
+    g.add_argument("--tbt-slo", type=float, required=tbt_required, default=None, help="P99 TBT bound (seconds)")
+    g.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
+    g.add_argument("--qps-low", type=float, default=0.1)
+    g.add_argument("--qps-high", type=float, default=2.0)
+    g.add_argument("--probes", type=int, default=probes, help=probes_help)
+
+
+def slo_from_args(args: argparse.Namespace) -> Any:
+    """The ``SLO`` of ``add_capacity_args``' flags, printed."""
+    from sarathi_lite.capacity import SLO
+
+    slo = SLO(args.tbt_slo, args.max_scheduling_delay)
+    print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
+    return slo
+
+
+def save_capacity(found: list[Any], out_dir: str | Path, *, plot: bool = False) -> None:
+    """Print ``capacity_table(found)``, write ``capacity.json`` (and with ``plot`` ``capacity.png``) to
+    ``out_dir``."""
     print(capacity_table(found))
-    out = Path(args.out)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
-    print(f"wrote {out / 'capacity.json'}")
-    return 0
+    written = [out / "capacity.json"]
+    if plot:
+        from sarathi_lite.plots import plot_capacity
+
+        written.append(plot_capacity(found, out / "capacity.png"))
+    print(f"wrote {', '.join(map(str, written))}")
 
 
 def capacity_table(found: list[Any]) -> str:
@@ -199,11 +226,7 @@ def add_bench_parsers(sub: Any) -> None:
     add_workload_args(c)
     c.add_argument("--policies", type=_csv(str), default=None,
                    help="comma-separated (default: --scheduler, else sarathi,vllm)")
-    c.add_argument("--tbt-slo", type=float, required=True, help="P99 TBT bound (seconds)")
-    c.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
-    c.add_argument("--qps-low", type=float, default=0.1)
-    c.add_argument("--qps-high", type=float, default=2.0)
-    c.add_argument("--probes", type=int, default=5, help="runs per policy")
+    add_capacity_args(c, tbt_required=True, probes=5, probes_help="runs per policy")
     c.add_argument("--out", default="results/capacity")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=cmd_capacity, scheduler=None, chunk_size=128)

@@ -11,11 +11,17 @@ about a third).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
-from sarathi_lite.bench_cli import _csv, _policies, add_workload_args, build_workload, capacity_table
+from sarathi_lite.bench_cli import (
+    _csv,
+    _policies,
+    add_capacity_args,
+    add_workload_args,
+    build_workload,
+    save_capacity,
+    slo_from_args,
+)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -41,24 +47,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def _capacity(args: argparse.Namespace, sim: Any, cost_model: Any, workload: Any, options: dict[str, Any]) -> int:
-    from sarathi_lite.capacity import SLO
-
     if args.tbt_slo is None:
         raise ValueError("--capacity needs --tbt-slo (seconds)")
-    slo = SLO(args.tbt_slo, args.max_scheduling_delay)
-    print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
+    slo = slo_from_args(args)
     found = sim.capacity(workload, cost_model, slo, policies=_policies(args), chunk_size=args.chunk_size,
                          qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, **options)
-    print(capacity_table(found))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
-    written = [out / "capacity.json"]
-    if args.plot:
-        from sarathi_lite.plots import plot_capacity
-
-        written.append(plot_capacity(found, out / "capacity.png"))
-    print(f"wrote {', '.join(map(str, written))}")
+    save_capacity(found, args.out, plot=args.plot)
     return 0
 
 
@@ -120,11 +114,7 @@ def add_sim_parsers(sub: Any) -> None:
     g = s.add_argument_group("capacity search (--capacity)")
     g.add_argument("--capacity", action="store_true",
                    help="instead: per policy, the highest rate meeting --tbt-slo and --max-scheduling-delay")
-    g.add_argument("--tbt-slo", type=float, default=None, help="P99 TBT bound (seconds)")
-    g.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
-    g.add_argument("--qps-low", type=float, default=0.1)
-    g.add_argument("--qps-high", type=float, default=2.0)
-    g.add_argument("--probes", type=int, default=8, help="simulations per policy")
+    add_capacity_args(g, tbt_required=False, probes=8, probes_help="simulations per policy")
     s.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("profile", help="time this machine's model runner over batch shapes; save a cost model")
