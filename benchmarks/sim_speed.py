@@ -19,12 +19,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 from sarathi_lite import sim
 from sarathi_lite.capacity import SLO
+from sarathi_lite.results import host
 from sarathi_lite.workload import Workload
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "splitwise_conv.csv"
@@ -66,7 +66,7 @@ def main() -> None:
                  "iterations": sum(len(p.result.stats.iterations) for c in found for p in c.probes),
                  "wall_s": time.perf_counter() - t0, "capacity": {c.label: c.capacity for c in found}})
 
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load[0]:.2f}; "
+    print(f"{host()}, load average {load[0]:.2f}; "
           f"cost model {args.cost_model}")
     print(f"{'task':<74} {'sims':>5} {'iterations':>11} {'wall s':>7} {'us/iter':>8}")
     for r in rows:
@@ -75,7 +75,7 @@ def main() -> None:
     print(f"capacity (req/s): {rows[-1]['capacity']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                                    "machine": f"{platform.machine()} {platform.processor()}, {os.cpu_count()} CPUs",
+                                    "machine": host(),
                                     "load_average_start": list(load), "load_average_end": list(os.getloadavg()),
                                     "cost_model": cost.describe(), "workload": full.describe(), "rows": rows},
                                    indent=1))

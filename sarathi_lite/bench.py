@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,7 @@ import torch
 
 from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.engine import LLMEngine
-from sarathi_lite.results import BenchResult, config_label, configurations, run_config
+from sarathi_lite.results import BenchResult, config_label, configurations, host, run_config
 from sarathi_lite.sampling_params import SamplingParams
 from sarathi_lite.scheduler import CHUNKED_POLICIES, ScheduledRequest, SchedulerOutput
 from sarathi_lite.workload import Workload
@@ -50,8 +49,7 @@ def engine_config(engine: LLMEngine, chunk_size: int | None) -> dict[str, Any]:
 
 def machine() -> str:
     """A one-line description of this machine and torch's thread count."""
-    return (f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs, "
-            f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+    return f"{host()}, torch {torch.__version__} with {torch.get_num_threads()} threads"
 
 
 def warm_up(engine: LLMEngine, prompt_len: int = 32, output_len: int = 4) -> None:
@@ -76,8 +74,6 @@ def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = No
         raise ValueError("replay needs an idle engine; it has unfinished requests")
     cfg = engine.scheduler_config
     workload.check_fits(cfg.max_model_len)
-    if chunk_size is None and cfg.policy in CHUNKED_POLICIES:
-        chunk_size = cfg.chunk_size
     config = engine_config(engine, chunk_size)
     prompts = workload.prompt_token_ids(engine.model_config.vocab_size)
     pending = list(zip(workload.requests, prompts))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import platform
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,10 +41,18 @@ def configurations(policies: Sequence[str], chunk_sizes: Sequence[int]) -> list[
     return pairs
 
 
+def host() -> str:
+    """A one-line description of this machine (architecture, processor, CPU count), without torch."""
+    return f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs"
+
+
 def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str | None, dtype: str | None,
                device: str | None, attention_backend: str | None) -> dict[str, Any]:
-    """The configuration record of a result: policy, chunk size (``None`` for unchunked policies), the token
-    budget and KV pool, and the model and engine settings that shape timing (for a simulation: what it models)."""
+    """The configuration record of a result: policy, chunk size (``None`` means ``cfg.chunk_size`` for chunked
+    policies and stays ``None`` for unchunked ones), the token budget and KV pool, and the model and engine
+    settings that shape timing (for a simulation: what it models)."""
+    if chunk_size is None and cfg.policy in CHUNKED_POLICIES:
+        chunk_size = cfg.chunk_size
     return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
             "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len, "model": model, "dtype": dtype,

@@ -24,8 +24,6 @@ It returns the same ``BenchResult`` (and JSON schema) as the real-time replay, w
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +32,7 @@ from typing import Any
 from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.cost_model import CostModel, ProfiledCostModel
 from sarathi_lite.metrics import MetricsRecorder
-from sarathi_lite.results import BenchResult, config_label, configurations, run_config
+from sarathi_lite.results import BenchResult, config_label, configurations, host, run_config
 from sarathi_lite.roofline import roofline
 from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, make_scheduler
 from sarathi_lite.workload import Workload
@@ -87,8 +85,6 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     Raises ``ValueError`` if a request does not fit ``config.max_model_len``.
     """
     workload.check_fits(config.max_model_len)
-    if chunk_size is None and config.policy in CHUNKED_POLICIES:
-        chunk_size = config.chunk_size
     wall = time.perf_counter()
     cost_model.reset(seed)
     scheduler = make_scheduler(config)
@@ -121,7 +117,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     config_record = run_config(config, chunk_size, model=description["model"], dtype=description["dtype"],
                                device=description["device"], attention_backend=description["attention_backend"])
     meta = {"replay": "simulated", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs",
+            "machine": host(),
             "cost_model": description, "wall_time": time.perf_counter() - wall}
     return BenchResult(config_record, workload, metrics.stats(), meta)
 
