@@ -175,14 +175,17 @@ class ProfiledCostModel(CostModel):
         """g(tokens): seconds of the dense layers for a batch of ``tokens`` query tokens."""
         return sum(w * t for w, t in zip(token_basis(tokens, self.token_knots), self.token_times))
 
+    def typical_forward(self, row: Sequence[float]) -> float:
+        """Typical model-runner seconds (no jitter, no host overheads) for one row of ``batch_terms`` values."""
+        return self.token_time(row[0]) + sum(c * v for c, v in zip(self._coef, row[1:]))
+
     def forward_time(self, terms: Sequence[Sequence[float]]) -> np.ndarray:
-        """Predicted model-runner seconds for rows of ``batch_terms`` values (no host overheads)."""
-        return np.array([self.token_time(row[0]) + sum(c * v for c, v in zip(self._coef, row[1:])) for row in terms])
+        """``typical_forward`` of each row of ``batch_terms`` values."""
+        return np.array([self.typical_forward(row) for row in terms])
 
     def predict(self, out: SchedulerOutput) -> StepTiming:
-        tokens, *terms = batch_terms(out)
         sched = self.schedule_constant + self.schedule_per_request * len(out.scheduled)
-        forward = self.token_time(tokens) + sum(c * v for c, v in zip(self._coef, terms))
+        forward = self.typical_forward(batch_terms(out))
         if self.jitter:  # inverse-CDF draw, linear between the quantiles
             x = self._rng.random() * (len(self.jitter) - 1)
             i = min(int(x), len(self.jitter) - 2)
