@@ -169,6 +169,38 @@ def _progress(total: int, label: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=label, unit="req", leave=False)
 
 
+# ---------------------------------------------------------------------- batches built by hand
+
+
+@dataclass(slots=True, frozen=True)
+class BatchShape:
+    """One batch to time. decode_contexts: cached tokens of each decode. chunks: ``(num_computed_tokens,
+    num_new_tokens, sample)`` of each prompt chunk."""
+
+    decode_contexts: tuple[int, ...]
+    chunks: tuple[tuple[int, int, bool], ...] = ()
+
+    def output(self, block_size: int, num_blocks: int, vocab_size: int, rng: np.random.Generator
+               ) -> SchedulerOutput:
+        """The batch as a ``SchedulerOutput`` (decodes first, as the scheduler orders them). Block tables take
+        consecutive block ids, wrapping around the pool: only their count matters for timing."""
+        out = SchedulerOutput()
+        nxt = 0
+
+        def blocks(num_tokens: int) -> list[int]:
+            nonlocal nxt
+            n = -(-num_tokens // block_size)
+            nxt += n
+            return [(nxt - n + i) % num_blocks for i in range(n)]
+
+        for i, ctx in enumerate(self.decode_contexts):
+            out.add(ScheduledRequest(f"d{i}", ctx, 1, [int(rng.integers(vocab_size))], blocks(ctx + 1), True, False))
+        for i, (computed, new, sample) in enumerate(self.chunks):
+            out.add(ScheduledRequest(f"p{i}", computed, new, rng.integers(vocab_size, size=new).tolist(),
+                                     blocks(computed + new), sample, True))
+        return out
+
+
 # ---------------------------------------------------------------------- cost per token
 
 
@@ -248,25 +280,17 @@ def cost_per_token(engine: LLMEngine, num_tokens: int = 128, context_len: int = 
     if engine.has_unfinished_requests():
         raise ValueError("cost_per_token needs an idle engine (it writes into the KV pool)")
     bs = engine.scheduler_config.block_size
-    per_decode = -(-(context_len + 1) // bs)
     need = cost_per_token_blocks(num_tokens, context_len, bs)
     if need > engine.scheduler_config.num_blocks:
         raise ValueError(f"cost_per_token needs {need} KV blocks, the pool has {engine.scheduler_config.num_blocks}"
                          f"; lower num_tokens or context_len")
     rng = np.random.default_rng(seed)
-    vocab = engine.model_config.vocab_size
 
     def batch(num_decodes: int, prefill_len: int) -> SchedulerOutput:
-        """Decode ``i`` owns blocks ``[i * per_decode, (i + 1) * per_decode)``; the prompt chunk the next ones."""
-        out = SchedulerOutput()
-        for i in range(num_decodes):
-            out.add(ScheduledRequest(f"d{i}", context_len, 1, [int(rng.integers(vocab))],
-                                     list(range(i * per_decode, (i + 1) * per_decode)), True, False))
-        if prefill_len:
-            first = num_decodes * per_decode
-            out.add(ScheduledRequest("p", 0, prefill_len, rng.integers(vocab, size=prefill_len).tolist(),
-                                     list(range(first, first + -(-prefill_len // bs))), True, True))
-        return out
+        """``num_decodes`` decodes then one sampling prompt chunk, each on its own consecutive blocks."""
+        chunks = ((0, prefill_len, True),) if prefill_len else ()
+        return BatchShape((context_len,) * num_decodes, chunks).output(bs, engine.scheduler_config.num_blocks,
+                                                                       engine.model_config.vocab_size, rng)
 
     half = num_tokens // 2
     shapes = {"decode-only": batch(num_tokens, 0), "hybrid": batch(half, num_tokens - half),

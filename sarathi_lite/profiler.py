@@ -33,47 +33,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sarathi_lite.bench import build_engine, machine, warm_up
+from sarathi_lite.bench import BatchShape, build_engine, machine, warm_up
 from sarathi_lite.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
 from sarathi_lite.engine import LLMEngine
 from sarathi_lite.model_runner import kv_cache_bytes_per_block
 from sarathi_lite.sampling_params import SamplingParams
-from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+from sarathi_lite.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 HOLDOUT_EVERY = 5
 JITTER_QUANTILES = 21  # every 5th percentile
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-
-@dataclass(slots=True, frozen=True)
-class BatchShape:
-    """One batch to time. decode_contexts: cached tokens of each decode. chunks: ``(num_computed_tokens,
-    num_new_tokens, sample)`` of each prompt chunk."""
-
-    decode_contexts: tuple[int, ...]
-    chunks: tuple[tuple[int, int, bool], ...] = ()
-
-    def output(self, block_size: int, num_blocks: int, vocab_size: int, rng: np.random.Generator
-               ) -> SchedulerOutput:
-        """The batch as a ``SchedulerOutput`` (decodes first, as the scheduler orders them). Block tables take
-        consecutive block ids, wrapping around the pool: only their count matters for timing."""
-        out = SchedulerOutput()
-        nxt = 0
-
-        def blocks(num_tokens: int) -> list[int]:
-            nonlocal nxt
-            n = -(-num_tokens // block_size)
-            nxt += n
-            return [(nxt - n + i) % num_blocks for i in range(n)]
-
-        for i, ctx in enumerate(self.decode_contexts):
-            out.add(ScheduledRequest(f"d{i}", ctx, 1, [int(rng.integers(vocab_size))], blocks(ctx + 1), True, False))
-        for i, (computed, new, sample) in enumerate(self.chunks):
-            out.add(ScheduledRequest(f"p{i}", computed, new, rng.integers(vocab_size, size=new).tolist(),
-                                     blocks(computed + new), sample, True))
-        return out
 
 
 def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes: int = 64, quick: bool = False,
