@@ -2,7 +2,7 @@
 sampling, and the rest (scheduler update, outputs, metrics).
 
     python benchmarks/step_profile.py                    # SmolLM2, 32 requests from the conversation trace
-    python benchmarks/step_profile.py --torch-profile    # also the top torch ops of one hybrid step
+    python benchmarks/step_profile.py --torch-profile    # also the top torch ops of the first hybrid step
 
 Requests come from the first rows of the trace (prompts clipped to --max-prompt, outputs to --max-output, EOS
 ignored); every step of the run is measured, split into decode-only and hybrid (prefill + decode) steps. Prints a
@@ -24,6 +24,7 @@ from sarathi_lite import LLMEngine, SamplingParams
 from sarathi_lite.bench.traces import trace_path
 
 PARTS = ("schedule", "prepare", "forward", "sample", "update")
+PROFILE_STEPS = 20
 
 
 def main() -> None:
@@ -53,29 +54,34 @@ def main() -> None:
                                                            max_tokens=min(int(r["num_decode_tokens"]),
                                                                           args.max_output)))
     samples: dict[str, list[dict[str, float]]] = {"decode-only": [], "hybrid": [], "prefill-only": []}
-    profiled = profiled_result = None
+    profiled = None
+    seen = 0
     while engine.has_unfinished_requests():
+        # --torch-profile: profile whole steps until one is hybrid (within the first PROFILE_STEPS); profiled
+        # steps are not sampled (the profiler's own cost would skew them)
+        profiling = args.torch_profile and profiled is None and seen < PROFILE_STEPS
         t0 = time.perf_counter()
-        out = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        hybrid = out.num_prefills and out.num_decodes
-        if args.torch_profile and hybrid and profiled is None:
+        if profiling:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                result = profiled_result = engine._run(out)
-            profiled = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+                engine.step()
         else:
-            result = engine._run(out)
-        t2 = time.perf_counter()
-        engine._postprocess(out, result, t0, t1)
-        t3 = time.perf_counter()
-        if profiled is not None and result is profiled_result:
-            continue  # the profiler's own cost would skew this step
-        kind = "hybrid" if hybrid else "prefill-only" if out.num_prefills else "decode-only"
-        samples[kind].append({"schedule": t1 - t0, "prepare": result.prepare_time, "forward": result.forward_time,
-                              "sample": result.sample_time,
-                              "update": (t3 - t2) + (t2 - t1 - result.prepare_time - result.forward_time
-                                                     - result.sample_time),
-                              "batch": out.num_decodes + out.num_prefills})
+            engine.step()
+        wall = time.perf_counter() - t0
+        its = engine.stats().iterations
+        if len(its) == seen:
+            continue  # an empty step records nothing
+        seen, it = len(its), its[-1]
+        hybrid = it.num_prefills and it.num_decodes
+        if profiling:
+            if hybrid:
+                profiled = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+            continue
+        kind = "hybrid" if hybrid else "prefill-only" if it.num_prefills else "decode-only"
+        # update: the scheduler's update, metrics and outputs (the step's wall time outside the other parts)
+        samples[kind].append({"schedule": it.schedule_time, "prepare": it.prepare_time, "forward": it.forward_time,
+                              "sample": it.sample_time,
+                              "update": wall - it.schedule_time - it.execute_time,
+                              "batch": it.num_decodes + it.num_prefills})
     print(f"\n{args.num_requests} requests, chunk_size {args.chunk_size}, dtype {engine.dtype}, "
           f"{torch.get_num_threads()} threads; mean ms per step")
     print(f"{'steps':<14} {'n':>4} {'batch':>6} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'total':>9} "

@@ -79,6 +79,9 @@ class IterationRecord:
     """One iteration (one forward pass): what it held and how long it took.
 
     batch: ``(request_id, num_new_tokens)`` per scheduled request, kept only when the recorder is asked to.
+    prepare_time, forward_time, sample_time: the model runner's host seconds (inputs and attention metadata;
+    the forward pass with the sampling rows' logits; sampling), 0 where no model ran (the simulator);
+    ``update_time`` is the rest of the step after scheduling.
     """
 
     index: int
@@ -91,10 +94,23 @@ class IterationRecord:
     num_decodes: int
     num_preempted: int
     batch: tuple[tuple[str, int], ...] = ()
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
 
     @property
     def step_time(self) -> float:
         return self.end_time - self.start_time
+
+    @property
+    def execute_time(self) -> float:
+        """The model runner's seconds: ``prepare_time + forward_time + sample_time``."""
+        return self.prepare_time + self.forward_time + self.sample_time
+
+    @property
+    def update_time(self) -> float:
+        """Seconds of the step outside scheduling and the model runner (the scheduler's update, bookkeeping)."""
+        return self.step_time - self.schedule_time - self.execute_time
 
     @property
     def num_tokens(self) -> int:
@@ -176,9 +192,11 @@ class MetricsRecorder:
         self.requests[request_id] = RequestMetrics(request_id, arrival_time, num_prompt_tokens)
 
     def record_step(self, out: Any, start: float, schedule_end: float, end: float,
-                    finished: Iterable[Any] = ()) -> None:
+                    finished: Iterable[Any] = (), *, prepare_time: float = 0.0, forward_time: float = 0.0,
+                    sample_time: float = 0.0) -> None:
         """Record one iteration ``out`` (a ``SchedulerOutput``) that ran from ``start`` to ``end`` and the
-        requests (with ``request_id``, ``finish_reason``, ``num_preemptions``) that finished in it."""
+        requests (with ``request_id``, ``finish_reason``, ``num_preemptions``) that finished in it; the model
+        runner's split of the step as in ``IterationRecord``."""
         reqs = self.requests
         for pid in out.preempted_ids:
             reqs[pid].num_preemptions += 1
@@ -197,7 +215,8 @@ class MetricsRecorder:
         self.iterations.append(IterationRecord(
             len(self.iterations), start, end, schedule_end - start, out.num_prefill_tokens, out.num_decode_tokens,
             out.num_prefills, out.num_decodes, len(out.preempted_ids),
-            tuple((s.request_id, s.num_new_tokens) for s in out.scheduled) if self.record_batches else ()))
+            tuple((s.request_id, s.num_new_tokens) for s in out.scheduled) if self.record_batches else (),
+            prepare_time, forward_time, sample_time))
 
     def finish(self, request_id: str, time: float, reason: str | None) -> None:
         m = self.requests[request_id]

@@ -102,8 +102,11 @@ class Scheduler:
         sampled: the token id sampled for every scheduled request with ``sample=True``.
         Returns the requests that finished (``finish_reason`` is ``"stop"`` or ``"length"``); their blocks are
         free again. Requests aborted since ``schedule()`` are skipped. Raises ``ValueError``, having changed
-        nothing, if a token is missing.
+        nothing, if a token is missing, and ``RuntimeError`` if ``output`` is empty although requests wait and
+        none run (the policy can make no progress: a bug, reported instead of a driver looping forever).
         """
+        if not output.scheduled and self.waiting and not self.running:
+            raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
         finished: list[Request] = []
         max_len = self.config.max_model_len
         requests = self.requests

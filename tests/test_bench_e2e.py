@@ -87,7 +87,7 @@ def test_a_real_result_round_trips_through_json(two_policies):
 
 def test_shared_engine_reuses_weights_and_both_engines_stay_correct(tiny_checkpoints):
     first = LLMEngine(tiny_checkpoints["llama"], chunk_size=8, **ENGINE)
-    second = LLMEngine(tiny_checkpoints["llama"], scheduler="vllm", share_model_with=first, **ENGINE)
+    second = LLMEngine.from_model(first, scheduler="vllm", **ENGINE)
     assert second.model is first.model and second.runner.kv_cache is not first.runner.kv_cache
 
     def generate(engine: LLMEngine) -> list[int]:
@@ -98,8 +98,8 @@ def test_shared_engine_reuses_weights_and_both_engines_stay_correct(tiny_checkpo
         return tokens
 
     assert generate(second) == generate(first) == generate(second)
-    with pytest.raises(ValueError, match="share_model_with"):
-        LLMEngine(tiny_checkpoints["qwen2"], share_model_with=first, **ENGINE)
+    with pytest.raises(ValueError, match="from_model"):
+        LLMEngine.from_model(first, model=tiny_checkpoints["qwen2"], **ENGINE)
 
 
 def test_cost_per_token_times_equal_size_batches(tiny_checkpoints):

@@ -133,14 +133,14 @@ def run(workload: Workload, *, policies: Sequence[str] = ("sarathi",), chunk_siz
 
 def build_engine(model: str | Path | None, policy: str, chunk_size: int | None, share: LLMEngine | None = None,
                  **engine_options: Any) -> LLMEngine:
-    """An engine for one configuration; with ``share``, it reuses that engine's weights (see ``LLMEngine``).
-    chunk_size: ``None`` (an unchunked policy) leaves ``EngineConfig``'s default."""
-    if share is not None:
-        model = share.model_path
-        engine_options = {"dtype": share.dtype, "device": share.device, **engine_options}
+    """An engine for one configuration; with ``share``, on that engine's loaded weights
+    (``LLMEngine.from_model``; ``model`` is then unused). chunk_size: ``None`` (an unchunked policy) leaves
+    ``EngineConfig``'s default."""
     if chunk_size is not None:
         engine_options = {**engine_options, "chunk_size": chunk_size}
-    return LLMEngine(model, scheduler=policy, share_model_with=share, **engine_options)
+    if share is not None:
+        return LLMEngine.from_model(share, scheduler=policy, **engine_options)
+    return LLMEngine(model, scheduler=policy, **engine_options)
 
 
 def capacity(workload: Workload, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, device_kv_budget
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult
+from sarathi_lite.engine.model_runner import ModelRunner, StepResult, runner_view
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import MetricsRecorder, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
+from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.models.loader import load_model
 from sarathi_lite.scheduler import Request, SchedulerOutput, make_scheduler
 
@@ -56,34 +57,50 @@ class LLMEngine:
 
     ``LLMEngine(model, **options)`` takes every ``EngineConfig`` field as a keyword (``scheduler=`` names the
     policy), or ``LLMEngine(config=EngineConfig(...))``; see ``EngineConfig`` for each option and its default.
-    clock: the time source for metrics (seconds).
-    share_model_with: another engine of the same checkpoint, dtype and device whose loaded weights (and
-    tokenizer) this one reuses instead of loading them again, e.g. to sweep scheduler settings. Each engine
-    keeps its own KV cache and scheduler; do not step them from two threads at once.
+    clock: the time source for metrics (seconds). ``LLMEngine.from_model(engine, ...)``: another engine on the
+    same loaded weights.
     """
 
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
-                 clock: Callable[[], float] = time.perf_counter, share_model_with: LLMEngine | None = None,
-                 **options: Any) -> None:
-        if config is None:
-            config = EngineConfig.from_options(model, **options)
-        elif model is not None or options:
-            raise TypeError("give either config= or the model and options, not both")
-        self.config = config
-        self.model_path = resolve_model(config.model)
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+                 clock: Callable[[], float] = time.perf_counter, **options: Any) -> None:
+        config = _engine_config(model, config, options)
         t0 = time.perf_counter()
-        if share_model_with is None:
-            self.model = load_model(self.model_path, self.dtype, self.device, config.load_format)
-            self.tokenizer = _load_tokenizer(self.model_path)
-        else:
-            other = share_model_with
-            if (other.model_path, other.dtype, other.device) != (self.model_path, self.dtype, self.device):
-                raise ValueError(f"share_model_with: that engine holds {other.model_path.name} "
-                                 f"({other.dtype}, {other.device}), not {self.model_path.name} "
-                                 f"({self.dtype}, {self.device})")
-            self.model, self.tokenizer = other.model, other.tokenizer
+        path = resolve_model(config.model)
+        device = _resolve_device(config.device)
+        dtype = _resolve_dtype(config.dtype, device)
+        model = load_model(path, dtype, device, config.load_format)
+        self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0)
+
+    @classmethod
+    def from_model(cls, source: LLMEngine, *, config: EngineConfig | None = None,
+                   clock: Callable[[], float] = time.perf_counter, **options: Any) -> LLMEngine:
+        """A new engine on ``source``'s loaded weights and tokenizer (not loaded again), with its own scheduler,
+        KV cache and records: e.g. to sweep scheduler settings over one model. config, options: as for
+        ``LLMEngine``; ``model``, ``dtype`` and ``device`` default to ``source``'s, and raise ``ValueError`` if
+        they name others. Do not step engines that share weights from two threads at once."""
+        model = options.pop("model", None)
+        config = _engine_config(model, config, options)
+        t0 = time.perf_counter()
+        path = source.model_path if config.model is None else resolve_model(config.model)
+        device = source.device if config.device is None else _resolve_device(config.device)
+        dtype = source.dtype if config.dtype == "auto" else _resolve_dtype(config.dtype, device)
+        if (path, dtype, device) != (source.model_path, source.dtype, source.device):
+            raise ValueError(f"from_model: that engine holds {source.model_path.name} ({source.dtype}, "
+                             f"{source.device}), not {path.name} ({dtype}, {device})")
+        config = config.replace(model=str(path), dtype=str(dtype).removeprefix("torch."), device=str(device))
+        engine = cls.__new__(cls)
+        engine._start(config, path, device, dtype, source.model, runner_view(source.model), source.tokenizer,
+                      clock, t0)
+        return engine
+
+    def _start(self, config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
+               model: LlamaForCausalLM, runner_model: LlamaForCausalLM, tokenizer: Any, clock: Callable[[], float],
+               t0: float) -> None:
+        """Everything but loading: the KV pool, the scheduler, the model runner (on ``runner_model``: ``model``
+        itself, or a ``runner_view`` of shared weights), the records."""
+        self.config = config
+        self.model_path, self.device, self.dtype = path, device, dtype
+        self.model, self.tokenizer = model, tokenizer
         self.model_config: ModelConfig = self.model.config
         pool = config.kv_pool(kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype.itemsize),
                               max_position_embeddings=self.model_config.max_position_embeddings,
@@ -94,7 +111,7 @@ class LLMEngine:
         max_model_len = pool.max_model_len
         self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
         self.scheduler = make_scheduler(self.scheduler_config)
-        self.runner = ModelRunner(self.model, block_size=pool.block_size, num_blocks=pool.num_blocks,
+        self.runner = ModelRunner(runner_model, block_size=pool.block_size, num_blocks=pool.num_blocks,
                                   device=self.device, dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
@@ -152,8 +169,6 @@ class LLMEngine:
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         if out.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
             return StepResult({}, {})
         return self.runner.execute(out, {s.request_id: self._entries[s.request_id].params
                                          for s in out.scheduled if s.sample})
@@ -164,7 +179,8 @@ class LLMEngine:
         end = self.clock()
         if out.is_empty:
             return []
-        self.metrics.record_step(out, start, scheduled, end, finished)
+        self.metrics.record_step(out, start, scheduled, end, finished, prepare_time=result.prepare_time,
+                                 forward_time=result.forward_time, sample_time=result.sample_time)
         outputs = []
         for rid in result.tokens:
             entry = self._entries.get(rid)
@@ -185,7 +201,7 @@ class LLMEngine:
 
     def _release(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
-        self.runner.sampler.forget(request_id)
+        self.runner.release(request_id)
 
     # ------------------------------------------------------------------ helpers
 
@@ -221,6 +237,14 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             return device_kv_budget(free, total, config.gpu_memory_utilization)
         return DEFAULT_CPU_KV_CACHE_BYTES
+
+def _engine_config(model: str | Path | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
+    if config is None:
+        return EngineConfig.from_options(model, **options)
+    if model is not None or options:
+        raise TypeError("give either config= or the model and options, not both")
+    return config
+
 
 def _load_tokenizer(path: Path) -> Any:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Mapping
@@ -34,8 +35,23 @@ class StepResult:
     sample_time: float = 0.0
 
 
+def runner_view(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """A copy of ``model``'s module tree that shares everything else (weights, buffers, the rotary cache, the
+    config), for a second ``ModelRunner`` on loaded weights (``LLMEngine.from_model``): each runner binds its
+    own KV cache and attention backends into its model's attention layers once, so no runner rebinds
+    another's."""
+    memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if not name.startswith("_") and not isinstance(value, torch.nn.Module):
+                memo[id(value)] = value
+    return copy.deepcopy(model, memo)
+
+
 class ModelRunner:
-    """Owns the paged KV cache and runs the model over one hybrid batch per ``execute`` call.
+    """Owns the paged KV cache and runs the model over one hybrid batch per ``execute`` call. It binds its KV
+    cache and attention backends into ``model``'s attention layers once, here: a model that another runner
+    uses must be given as a ``runner_view``.
 
     kv cache: one tensor ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``; layer ``i``'s
     attention reads and writes its view ``[i]`` (FlashInfer's NHD paged layout).
@@ -56,19 +72,16 @@ class ModelRunner:
         }
         self.attention_backend = next(iter(self.backends.values())).name
         self.sampler = Sampler(device)
+        for attn, window in zip(self.model.attention_layers(), cfg.layer_windows):
+            attn.backend = self.backends[window]
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.kv_cache = self.kv_cache[i]
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), attention backend %s", num_blocks, block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.attention_backend)
 
-    def _bind(self) -> None:
-        """Point the model's attention layers at this runner's KV cache and backends (cheap, and needed only
-        when another runner shares the model's weights and ran in between)."""
-        layers = self.model.attention_layers()
-        if layers[0].kv_cache is not None and layers[0].kv_cache.data_ptr() == self.kv_cache.data_ptr():
-            return
-        windows = self.model.config.layer_windows
-        for i, attn in enumerate(layers):
-            attn.backend = self.backends[windows[i]]
-            attn.kv_cache = self.kv_cache[i]
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request's per-request state (its seeded sampling generator)."""
+        self.sampler.forget(request_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> StepResult:
@@ -81,7 +94,6 @@ class ModelRunner:
                                         self.device)
         for backend in self.backends.values():
             backend.plan(meta)
-        self._bind()
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in scheduled)), dtype=torch.int64
                                  ).to(self.device, non_blocking=True)
         rows = [i for i, s in enumerate(scheduled) if s.sample]

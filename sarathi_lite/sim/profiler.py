@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from sarathi_lite.bench.replay import BatchShape, build_engine, machine, warm_up
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.sampling_params import SamplingParams
-from sarathi_lite.scheduler import SchedulerOutput
+from sarathi_lite.scheduler import Request, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repea
 @dataclass(slots=True)
 class Calibration:
     """Per-iteration records of a real run through ``LLMEngine.step``: its outputs, the measured step and
-    scheduling times, the forward-pass time inside each step, and the gaps between steps (seconds)."""
+    scheduling times, the model runner's time inside each step, and the gaps between steps (seconds)."""
 
     outputs: list[SchedulerOutput]
     step_times: list[float]
@@ -124,37 +124,55 @@ class Calibration:
 
 
 def calibrate(engine: LLMEngine, *, num_requests: int = 8, seed: int = 0) -> Calibration:
-    """Run ``num_requests`` requests (prompts 16-160 tokens, outputs 4-16, all at once) through the engine,
-    timing ``runner.execute`` inside every step."""
+    """Run ``num_requests`` requests (prompts 16-160 tokens, outputs 4-16, all at once) through the engine; the
+    iteration records give each step's times and the model runner's share (``IterationRecord.execute_time``).
+    The batches themselves come from the same requests through a fresh scheduler of the engine's config, which
+    decides exactly as the engine's did (it sees the same requests and tokens, and no clock)."""
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
+    requests = []
     for i in range(num_requests):
         prompt = rng.integers(100 if vocab > 200 else 0, vocab, int(rng.integers(16, 161))).tolist()
-        engine.add_request(f"calibrate-{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                                    max_tokens=int(rng.integers(4, 17))))
-    runner = engine.runner
-    execute = runner.execute
-    calls: list[tuple[SchedulerOutput, float]] = []
-
-    def timed(out: SchedulerOutput, params: Any) -> Any:
-        t0 = time.perf_counter()
-        result = execute(out, params)
-        calls.append((out, time.perf_counter() - t0))
-        return result
-
-    runner.execute = timed  # type: ignore[method-assign]
-    try:
-        engine.reset_stats()
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        del runner.execute
+        requests.append((f"calibrate-{i}", prompt, int(rng.integers(4, 17))))
+    engine.reset_stats()
+    for rid, prompt, max_tokens in requests:
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+    sampled: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                sampled[o.request_id] = list(o.token_ids)
     its = engine.stats().iterations
     engine.reset_stats()
-    if len(its) != len(calls):
-        raise RuntimeError(f"calibration: {len(its)} recorded iterations but {len(calls)} forward passes")
-    return Calibration([o for o, _ in calls], [it.step_time for it in its], [it.schedule_time for it in its],
-                       [t for _, t in calls], [b.start_time - a.end_time for a, b in zip(its, its[1:])])
+    outputs = scheduled_batches(engine.scheduler_config, requests, sampled)
+    if [(o.num_prefill_tokens, o.num_decode_tokens) for o in outputs] != [
+            (it.num_prefill_tokens, it.num_decode_tokens) for it in its]:
+        raise RuntimeError("calibration: the scheduler's replay does not match the engine's iterations")
+    return Calibration(outputs, [it.step_time for it in its], [it.schedule_time for it in its],
+                       [it.execute_time for it in its], [b.start_time - a.end_time for a, b in zip(its, its[1:])])
+
+
+def scheduled_batches(config: SchedulerConfig, requests: Sequence[tuple[str, list[int], int]],
+                      sampled: dict[str, list[int]]) -> list[SchedulerOutput]:
+    """The non-empty ``SchedulerOutput``s a scheduler of ``config`` makes for ``requests`` (``(request_id,
+    prompt token ids, max_tokens)``, all arriving at once, no stop tokens) when each samples the tokens in
+    ``sampled[request_id]``, in order."""
+    scheduler = make_scheduler(config)
+    for rid, prompt, max_tokens in requests:
+        scheduler.add(Request(rid, prompt, max_tokens, frozenset(), 0.0))
+    taken = dict.fromkeys(sampled, 0)
+    outputs = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        tokens = {}
+        for s in out.scheduled:
+            if s.sample:
+                tokens[s.request_id] = sampled[s.request_id][taken[s.request_id]]
+                taken[s.request_id] += 1
+        scheduler.update(out, tokens)
+        if out.scheduled:
+            outputs.append(out)
+    return outputs
 
 
 def holdout(shapes: Sequence[BatchShape]) -> np.ndarray:

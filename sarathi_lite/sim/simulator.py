@@ -106,8 +106,6 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
             add_metrics(spec.request_id, spec.arrival_time, spec.prompt_len)
             nxt += 1
         out = schedule()
-        if not out.scheduled and scheduler.waiting and not scheduler.running:
-            raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
         timing = predict(out)
         ready = start + timing.step_time
         finished = update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
