@@ -44,7 +44,8 @@ HYBRID = ([1, 9, 1, 40, 1, 17], [530, 130, 70, 0, 5, 300])  # q_lens, context le
 
 # positions of the arguments FlashInfer 0.6.13 / 0.7 passes to its compiled module's plan() and paged_run()
 PLAN_QO_INDPTR, PLAN_KV_INDPTR, PLAN_KV_LENS, PLAN_CAUSAL, PLAN_WINDOW = 3, 4, 5, 14, 15
-RUN_Q, RUN_K, RUN_V, RUN_KV_INDICES, RUN_OUT, RUN_MASK, RUN_LAYOUT, RUN_WINDOW, RUN_SM_SCALE = 3, 4, 5, 8, 10, 12, 13, 14, 23
+RUN_Q, RUN_K, RUN_V, RUN_KV_INDICES, RUN_OUT = 3, 4, 5, 8, 10
+RUN_MASK, RUN_LAYOUT, RUN_WINDOW, RUN_SM_SCALE = 12, 13, 14, 23
 
 
 class StubPrefillModule:
