@@ -9,8 +9,9 @@
 # (CUDA 13.0, the device's), a C++ compiler, ninja and unzip. No GPU and no CUDA build of torch: the final link only needs the
 # toolkit's lib64 (libcudart) and a stub libcuda.so (an empty library with soname libcuda.so.1, made here; the
 # device's driver provides the real one). Modules are built one at a time, most needed first, at the lowest CPU
-# priority (the machine is shared); a module already in OUT_DIR is kept, so an interrupted build resumes.
-# Prints each module's build time and size and the total.
+# priority (the machine is shared); a module already in OUT_DIR is kept, so an interrupted build resumes. Each
+# module is loaded once built (tvm_ffi, as FlashInfer does; no GPU needed). Prints each module's build time and
+# size and the total.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -42,6 +43,7 @@ export FLASHINFER_CUDA_ARCH_LIST="9.0a" FLASHINFER_WORKSPACE_BASE="$BUILD_DIR" M
 export FLASHINFER_EXTRA_LDFLAGS="-L$BUILD_DIR/stubs" FLASHINFER_EXTRA_CUDAFLAGS="-isystem $INC"
 export FLASHINFER_EXTRA_CFLAGS="-isystem $INC"
 export AOT_OUT_DIR="$OUT_DIR" PATH="$CUDA_HOME/bin:$PATH"
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # to load each module once built
 nice -n 19 "$PY" - <<'EOF'
 import os
 import shutil
@@ -50,6 +52,7 @@ from pathlib import Path
 
 import flashinfer
 import torch
+import tvm_ffi
 from flashinfer.jit import build_jit_specs
 from flashinfer.jit.activation import gen_act_and_mul_module
 from flashinfer.jit.attention import gen_batch_prefill_module
@@ -91,6 +94,7 @@ for spec in specs:
         status = f"built in {time.monotonic() - start:6.0f} s"
     else:
         status = "already built   "
+    tvm_ffi.load_module(str(dst))  # it loads (no GPU needed) with every symbol but the driver's resolved
     size = dst.stat().st_size
     total += size
     print(f"{size / 2**20:7.2f} MiB  {status}  {spec.name}", flush=True)
