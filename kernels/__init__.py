@@ -13,9 +13,8 @@ from ._flashinfer import (
     FAST_DTYPES,
     HEAD_DIMS,
     INSTALL_HINT,
-    batch_prefill_module,
+    attention_unusable,
     flashinfer_available,
-    missing_modules,
     warn_once,
 )
 from .activation import silu_and_mul
@@ -68,9 +67,10 @@ def get_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_
 
     name: "torch" (TorchPagedAttention, any device), "flashinfer" (FlashInferAttention; raises RuntimeError
     saying what is missing: CUDA, a CUDA device, a float16/bfloat16 dtype, flashinfer-python, or its kernels, which
-    must be prebuilt or compilable by nvcc; ValueError for a head_dim FlashInfer lacks), or "auto" (FlashInfer when
-    all of those are present and head_dim is one of 64, 128, 256, else torch; a CUDA half-precision setup that
-    falls back for want of kernels or of a head_dim logs one warning). An unknown name raises ValueError.
+    must load, prebuilt or compiled by nvcc, and are loaded here; ValueError for a head_dim FlashInfer lacks), or
+    "auto" (FlashInfer when all of those are present and head_dim is one of 64, 128, 256, else torch; a CUDA
+    half-precision setup that falls back for want of kernels or of a head_dim logs one warning). An unknown name
+    raises ValueError.
     scale: softmax scale (default ``head_dim ** -0.5``); window_left: sliding window, -1 for none; device, dtype:
     where and in which dtype q and the KV cache will live.
     """
@@ -83,10 +83,12 @@ def get_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_
     if missing and name == "auto":
         logger.debug("attention backend 'auto' uses torch: %s", missing)
         return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
-    if not missing:
-        missing = missing_modules("page", batch_prefill_module(device, dtype, head_dim, window_left))
-    if name == "auto" and not missing and head_dim not in HEAD_DIMS:
+    if not missing and head_dim not in HEAD_DIMS:
         missing = f"FlashInfer's kernels take head_dim {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
+        if name == "flashinfer":
+            raise ValueError(missing)
+    if not missing:
+        missing = attention_unusable(device, dtype, head_dim, window_left)
     if name == "auto" and missing:
         warn_once(f"attention backend 'auto' uses torch: {missing}")
         return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)

@@ -3,8 +3,9 @@
 flashinfer-python ships no kernels: each of its modules (``page``, ``norm``, ``rope``, ``silu_and_mul``,
 ``sampling``, one batch-prefill module per dtype / head_dim / window) is compiled by nvcc on first use, unless it
 is prebuilt in the package's ``data/aot/<name>/<name>.so`` (scripts/build_flashinfer_aot.sh) or already in
-FlashInfer's JIT cache. A fast path is only taken where its modules are prebuilt or can be compiled, so a CUDA
-machine without nvcc runs the torch paths (with one warning) instead of failing a request.
+FlashInfer's JIT cache. A fast path is only taken once its modules have loaded (prebuilt, or compiled where nvcc
+is), so a CUDA machine without nvcc, or whose compile fails, runs the torch paths (with one warning) instead of
+failing a request.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -84,16 +86,49 @@ def missing_modules(*names: str) -> str | None:
             f"see scripts/build_flashinfer_aot.sh)")
 
 
-def batch_prefill_module(device: torch.device, dtype: torch.dtype, head_dim: int, window_left: int) -> str:
-    """The name of the batch-prefill module FlashInfer's ``plan()`` loads for FlashInferAttention's arguments on
-    ``device`` (CUDA): the backend FlashInfer's "auto" picks there (fa3 on Hopper, else fa2), q/kv/o in ``dtype``,
-    int32 indices, no positional encoding in the kernel, a sliding window when ``window_left >= 0``."""
-    from flashinfer.jit.attention import get_batch_prefill_uri
+def batch_prefill_spec(device: torch.device, dtype: torch.dtype, head_dim: int, window_left: int
+                       ) -> tuple[str, tuple]:
+    """``(backend, args)`` of the batch-prefill module FlashInfer's ``plan()`` loads for FlashInferAttention's
+    arguments on ``device`` (CUDA): the backend FlashInfer's "auto" picks there (fa3 on Hopper, else fa2), q/kv/o
+    in ``dtype``, int32 indices, no positional encoding in the kernel, a sliding window when ``window_left >= 0``,
+    no logits cap, no fp16 QK reduction."""
     from flashinfer.utils import determine_attention_backend
 
     backend = determine_attention_backend(device, 0, False, False, dtype, dtype)
-    return get_batch_prefill_uri(backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, window_left >= 0,
-                                 False, False)
+    return backend, (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, window_left >= 0, False, False)
+
+
+def batch_prefill_module(device: torch.device, dtype: torch.dtype, head_dim: int, window_left: int) -> str:
+    """The name of that module (its folder in FlashInfer's AOT directory and JIT cache)."""
+    from flashinfer.jit.attention import get_batch_prefill_uri
+
+    backend, args = batch_prefill_spec(device, dtype, head_dim, window_left)
+    return get_batch_prefill_uri(backend, *args)
+
+
+def unusable(loaders: dict[str, Callable[[], object]]) -> str | None:
+    """Why FlashInfer's modules (name -> a function loading it, as FlashInfer's calls do) cannot be used here:
+    some neither prebuilt nor compilable, or one failing to compile or load; None when all of them load (FlashInfer
+    caches them, so the calls that follow load nothing)."""
+    missing = missing_modules(*loaders)
+    if missing:
+        return missing
+    for name, load in loaders.items():
+        try:
+            load()
+        except Exception as e:  # a failed compile (RuntimeError), a library that does not load (OSError, ...)
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            return f"FlashInfer's module {name} does not load ({type(e).__name__}: {first_line})"
+    return None
+
+
+def attention_unusable(device: torch.device, dtype: torch.dtype, head_dim: int, window_left: int) -> str | None:
+    """``unusable`` for FlashInferAttention's modules: the paged-KV append and its batch-prefill module."""
+    fi = load_flashinfer()
+    backend, args = batch_prefill_spec(device, dtype, head_dim, window_left)
+    return unusable({"page": fi.page.get_page_module,
+                     batch_prefill_module(device, dtype, head_dim, window_left):
+                         lambda: fi.prefill.get_batch_prefill_module(backend, *args)})
 
 
 @functools.cache
@@ -102,16 +137,22 @@ def warn_once(message: str) -> None:
     logger.warning(message)
 
 
+def _fused_op_loaders(fi: ModuleType) -> dict[str, Callable[[], object]]:
+    return {"norm": fi.norm.get_norm_module, "rope": fi.rope.get_rope_module,
+            "silu_and_mul": lambda: fi.activation.get_act_and_mul_module("silu"),
+            "sampling": fi.sampling.get_sampling_module}
+
+
 @functools.cache
 def _modules_ready(name: str) -> bool:
-    missing = missing_modules(name)
-    if missing:
-        warn_once(f"{missing}; using the torch path")
-    return missing is None
+    reason = unusable({name: _fused_op_loaders(load_flashinfer())[name]})
+    if reason:
+        warn_once(f"{reason}; using the torch path")
+    return reason is None
 
 
 def use_flashinfer(*tensors: torch.Tensor, module: str, dtypes: tuple[torch.dtype, ...] = FAST_DTYPES) -> bool:
     """The fused ops' gate: every tensor is a CUDA tensor of one of ``dtypes``, flashinfer imports and its
-    ``module`` is prebuilt or can be compiled (checked once per process)."""
+    ``module`` (norm, rope, silu_and_mul or sampling) loads, prebuilt or compiled (checked once per process)."""
     return (all(t.is_cuda and t.dtype in dtypes for t in tensors) and flashinfer_available()
             and _modules_ready(module))

@@ -310,22 +310,45 @@ def test_prebuilt_kernels_or_nvcc_make_flashinfer_usable(cuda_without_kernels):
         (cuda_without_kernels / "aot" / module / f"{module}.so").touch()
     assert _flashinfer.missing_modules("page", name) is None
     assert _flashinfer.missing_modules("norm") is not None
-    for tool in ("nvcc", "ninja"):
-        (cuda_without_kernels / "bin" / tool).write_text("#!/bin/sh\n")
-        os.chmod(cuda_without_kernels / "bin" / tool, 0o755)
+    fake_tools(cuda_without_kernels / "bin")
     assert _flashinfer.find_nvcc() == str(cuda_without_kernels / "bin" / "nvcc")
     assert _flashinfer.missing_modules("norm") is None
 
 
-def test_auto_falls_back_to_torch_for_a_head_dim_flashinfer_lacks(cuda_without_kernels, caplog):
-    (cuda_without_kernels / "bin" / "nvcc").write_text("#!/bin/sh\n")
-    (cuda_without_kernels / "bin" / "ninja").write_text("#!/bin/sh\n")
+def fake_tools(folder) -> None:
     for tool in ("nvcc", "ninja"):
-        os.chmod(cuda_without_kernels / "bin" / tool, 0o755)
+        (folder / tool).write_text("#!/bin/sh\nexit 1\n")
+        os.chmod(folder / tool, 0o755)
+
+
+def test_auto_falls_back_to_torch_for_a_head_dim_flashinfer_lacks(cuda_without_kernels, caplog):
+    fake_tools(cuda_without_kernels / "bin")
     with caplog.at_level(logging.WARNING, logger="sarathi_lite.kernels"):
         backend = get_attention_backend("auto", 4, 2, 16, device="cuda", dtype=BF16)
     assert isinstance(backend, TorchPagedAttention)
     assert "not 16" in caplog.records[0].getMessage()
+    with pytest.raises(ValueError, match="not 16"):
+        get_attention_backend("flashinfer", 4, 2, 16, device="cuda", dtype=BF16)
+
+
+def test_kernels_that_fail_to_load_or_compile_mean_torch_not_a_failed_request(cuda_without_kernels, monkeypatch,
+                                                                               caplog):
+    import flashinfer.jit.core
+
+    monkeypatch.setattr(flashinfer.jit.core.current_compilation_context, "TARGET_CUDA_ARCHS", {(9, "0a")})
+    name = _flashinfer.batch_prefill_module(torch.device("cuda"), BF16, D, -1)
+    for module in ("page", name, "norm"):  # not shared libraries: loading them fails as a broken build would
+        (cuda_without_kernels / "aot" / module).mkdir(parents=True)
+        (cuda_without_kernels / "aot" / module / f"{module}.so").write_text("not a library")
+    with caplog.at_level(logging.WARNING, logger="sarathi_lite.kernels"):
+        assert isinstance(get_attention_backend("auto", 8, 2, D, device="cuda", dtype=BF16), TorchPagedAttention)
+        assert not _flashinfer._modules_ready("norm")
+    assert [r.getMessage().count("does not load") for r in caplog.records] == [1, 1]
+    assert "module page" in caplog.records[0].getMessage() and "module norm" in caplog.records[1].getMessage()
+    with pytest.raises(RuntimeError, match="does not load"):
+        get_attention_backend("flashinfer", 8, 2, D, device="cuda", dtype=BF16)
+    fake_tools(cuda_without_kernels / "bin")  # an nvcc whose compile fails
+    assert "does not load" in _flashinfer.unusable({"rope": flashinfer.rope.get_rope_module})
 
 
 def test_rope_checks_devices_and_the_position_range():
