@@ -27,7 +27,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sarathi_lite.kernels import AttentionMetadata, TorchPagedAttention, build_attention_metadata, flashinfer_available
+from sarathi_lite.kernels import (
+    AttentionMetadata,
+    TorchPagedAttention,
+    build_attention_metadata,
+    flashinfer_available,
+    scattered_block_tables,
+)
 
 HQ, HKV, D, HIDDEN, INTERMEDIATE = 9, 3, 64, 576, 1536
 
@@ -40,13 +46,8 @@ def make_batch(decodes: int, chunks: int, chunk: int, chunk_context: int, block_
     q_lens = [1] * decodes + [chunk] * chunks
     kv_lens = [int(x) + 1 for x in rng.integers(ctx_range[0], ctx_range[1] + 1, decodes)]
     kv_lens += [chunk_context + chunk] * chunks
-    pages = [-(-kv // block_size) for kv in kv_lens]
-    ids = rng.permutation(sum(pages)).tolist()
-    tables, start = [], 0
-    for n in pages:
-        tables.append(ids[start:start + n])
-        start += n
-    return q_lens, kv_lens, tables, sum(pages)
+    tables, num_blocks = scattered_block_tables(kv_lens, block_size, rng)
+    return q_lens, kv_lens, tables, num_blocks
 
 
 class DensePacked:

@@ -20,7 +20,7 @@ from ._flashinfer import (
 from .activation import silu_and_mul
 from .backend import AttentionBackend
 from .flashinfer_attention import FlashInferAttention
-from .metadata import AttentionMetadata, build_attention_metadata
+from .metadata import AttentionMetadata, build_attention_metadata, scattered_block_tables
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import RotaryEmbedding, rope_inv_freq
 from .sampling import compute_logprobs, sample
@@ -33,6 +33,7 @@ __all__ = [
     "RotaryEmbedding",
     "TorchPagedAttention",
     "build_attention_metadata",
+    "scattered_block_tables",
     "compute_logprobs",
     "flashinfer_available",
     "fused_add_rms_norm",

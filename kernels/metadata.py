@@ -119,3 +119,15 @@ def build_attention_metadata(
         kv_last_page_len_host=last_page_len.astype(np.int32),
         block_size=block_size,
     )
+
+
+def scattered_block_tables(kv_lens: Sequence[int], block_size: int, rng: np.random.Generator,
+                           spare_blocks: int = 0) -> tuple[list[list[int]], int]:
+    """Block tables for requests of ``kv_lens`` tokens on a pool of exactly the blocks they need plus
+    ``spare_blocks``, with the block ids shuffled (each table non-contiguous, unused blocks between): the layout
+    a paged-attention kernel must handle, for tests and benchmarks. Returns ``(tables, num_blocks)``."""
+    pages = [-(-kv // block_size) for kv in kv_lens]
+    num_blocks = sum(pages) + spare_blocks
+    ids = rng.permutation(num_blocks).tolist()
+    bounds = np.cumsum([0, *pages]).tolist()
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:])], num_blocks

@@ -48,10 +48,6 @@ class Request:
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prefill_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt + outputs."""
         n = len(self.prompt_token_ids)

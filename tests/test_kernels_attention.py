@@ -16,6 +16,7 @@ from sarathi_lite.kernels import (
     build_attention_metadata,
     flashinfer_available,
     get_attention_backend,
+    scattered_block_tables,
 )
 from sarathi_lite.kernels.torch_attention import bucket_by_length
 
@@ -42,13 +43,7 @@ def make_case(q_lens: list[int], ctx_lens: list[int], hq: int, hkv: int, block_s
     """Random K/V and queries; block tables are shuffled, non-contiguous block ids with unused blocks between."""
     gen = torch.Generator().manual_seed(seed)
     kv_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
-    pages = [-(-kv // block_size) for kv in kv_lens]
-    num_blocks = sum(pages) + spare_blocks
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in pages:
-        tables.append(ids[start:start + n])
-        start += n
+    tables, num_blocks = scattered_block_tables(kv_lens, block_size, np.random.default_rng(seed), spare_blocks)
     cache = torch.full((num_blocks, 2, block_size, hkv, D), float("nan"), dtype=dtype)
     full_k = [torch.randn(kv, hkv, D, generator=gen).to(dtype) for kv in kv_lens]
     full_v = [torch.randn(kv, hkv, D, generator=gen).to(dtype) for kv in kv_lens]

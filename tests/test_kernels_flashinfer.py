@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from sarathi_lite.kernels import (
     get_attention_backend,
     rms_norm,
     sample,
+    scattered_block_tables,
     silu_and_mul,
 )
 
@@ -35,13 +37,7 @@ def make_step(q_lens: list[int], ctx_lens: list[int], hq: int, hkv: int, block_s
     """A hybrid batch on CUDA in float32: (meta, cache with the contexts written and NaN elsewhere, q, k, v)."""
     gen = torch.Generator().manual_seed(seed)
     kv_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
-    pages = [-(-kv // block_size) for kv in kv_lens]
-    num_blocks = sum(pages) + 5
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in pages:
-        tables.append(ids[start:start + n])
-        start += n
+    tables, num_blocks = scattered_block_tables(kv_lens, block_size, np.random.default_rng(seed), spare_blocks=5)
     cache = torch.full((num_blocks, 2, block_size, hkv, D), float("nan"))
     for table, ctx in zip(tables, ctx_lens):
         for pos in range(ctx):

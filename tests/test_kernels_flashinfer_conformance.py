@@ -35,6 +35,7 @@ from sarathi_lite.kernels import (  # noqa: E402
     rotary,
     sample,
     sampling,
+    scattered_block_tables,
     silu_and_mul,
 )
 
@@ -109,10 +110,8 @@ def make_step(block_size: int, hq: int, hkv: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     q_lens, ctx = HYBRID
     kv_lens = [q + c for q, c in zip(q_lens, ctx)]
-    pages = [-(-kv // block_size) for kv in kv_lens]
-    ids = torch.randperm(sum(pages) + 3, generator=gen).tolist()
-    tables = [ids[sum(pages[:i]):sum(pages[:i + 1])] for i in range(len(pages))]
-    cache = torch.full((len(ids), 2, block_size, hkv, D), float("nan"), dtype=BF16)
+    tables, num_blocks = scattered_block_tables(kv_lens, block_size, np.random.default_rng(seed), spare_blocks=3)
+    cache = torch.full((num_blocks, 2, block_size, hkv, D), float("nan"), dtype=BF16)
     n = sum(q_lens)
     q, k, v = (torch.randn(n, h, D, generator=gen).to(BF16) for h in (hq, hkv, hkv))
     return build_attention_metadata(q_lens, kv_lens, tables, block_size), cache, q, k, v

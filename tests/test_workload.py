@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.workload import RequestSpec, Workload, parse_lengths, poisson_arrivals
 
 ROWS = [(10.0, 400, 50), (12.5, 90, 7), (13.0, 2000, 300), (20.0, 1, 1), (21.0, 640, 129)]
@@ -152,9 +153,9 @@ def test_dict_round_trip_through_json_is_exact(trace):
 
 
 def test_request_specs_are_sorted_and_validated():
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         Workload((RequestSpec("a", 2.0, 1, 1), RequestSpec("b", 1.0, 1, 1)))
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         RequestSpec("a", 0.0, 0, 1)
 
 
@@ -188,3 +189,12 @@ def test_check_fits_names_the_requests_that_exceed_max_model_len():
     wl.check_fits(128)  # exactly 128 tokens fits
     with pytest.raises(ValueError, match=r"3 request\(s\) .* more than max_model_len=127 tokens"):
         wl.check_fits(127)
+
+
+def test_bad_specs_and_slos_raise_value_errors_naming_the_value():
+    with pytest.raises(ValueError, match="'b'"):
+        Workload((RequestSpec("a", 0.0, 1, 1), RequestSpec("b", 1.0, 1, 1), RequestSpec("b", 2.0, 1, 1)))
+    with pytest.raises(ValueError, match="arrival_time=-1.0"):
+        RequestSpec("a", -1.0, 1, 1)
+    with pytest.raises(ValueError, match="tbt_p99=0"):
+        SLO(0)

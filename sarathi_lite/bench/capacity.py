@@ -26,7 +26,9 @@ class SLO:
     scheduling_delay_p50: float = 2.0
 
     def __post_init__(self) -> None:
-        assert self.tbt_p99 > 0 and self.scheduling_delay_p50 > 0, "SLO bounds must be positive"
+        for name in ("tbt_p99", "scheduling_delay_p50"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: SLO bounds must be positive")
 
     def met_by(self, summary: dict[str, Any]) -> bool:
         """Whether a ``BenchResult.summary()`` meets both bounds. A run without token gaps (every output one

@@ -52,8 +52,11 @@ class RequestSpec:
     output_len: int
 
     def __post_init__(self) -> None:
-        assert self.arrival_time >= 0, f"{self.request_id}: arrival_time={self.arrival_time} < 0"
-        assert self.prompt_len >= 1 and self.output_len >= 1, f"{self.request_id}: lengths must be >= 1"
+        if not self.arrival_time >= 0:
+            raise ValueError(f"request {self.request_id!r}: arrival_time={self.arrival_time!r} must be >= 0")
+        for name in ("prompt_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"request {self.request_id!r}: {name}={getattr(self, name)!r} must be >= 1")
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,10 +68,14 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        times = [r.arrival_time for r in self.requests]
-        assert times == sorted(times), "requests must be sorted by arrival_time"
+        for a, b in zip(self.requests, self.requests[1:]):
+            if b.arrival_time < a.arrival_time:
+                raise ValueError(f"requests must be sorted by arrival_time: {b.request_id!r} "
+                                 f"({b.arrival_time}) comes after {a.request_id!r} ({a.arrival_time})")
         ids = [r.request_id for r in self.requests]
-        assert len(set(ids)) == len(ids), "request ids must be unique"
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"request ids must be unique; repeated: {', '.join(map(repr, dup))}")
 
     def __len__(self) -> int:
         return len(self.requests)

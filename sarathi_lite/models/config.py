@@ -35,7 +35,6 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     layer_windows: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None
 
@@ -83,7 +82,6 @@ class ModelConfig:
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             mlp_bias=cfg.get("mlp_bias", False),
             layer_windows=_layer_windows(cfg, model_type, num_layers),
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
             dtype=cfg.get("dtype", cfg.get("torch_dtype")),
         )
