@@ -16,21 +16,26 @@ blocks of the writer's own.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from hashlib import sha256
 
 from .request import Request
 
 ROOT_KEY = b""  # the parent key of a sequence's first block
+_PACKERS: dict[int, Callable[..., bytes]] = {}  # block length -> its token packer
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     """The content key of a full block: SHA-256 (32 bytes) of ``parent_key`` followed by ``token_ids`` as
     little-endian signed 64-bit integers. ``parent_key`` is the previous block's key, ``ROOT_KEY`` for the
     first block. Stable across processes, Python versions and machines."""
-    return hashlib.sha256(parent_key + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+    n = len(token_ids)
+    pack = _PACKERS.get(n)
+    if pack is None:
+        pack = _PACKERS[n] = struct.Struct(f"<{n}q").pack
+    return sha256(parent_key + pack(*token_ids)).digest()
 
 
 class BlockManager:
@@ -161,10 +166,13 @@ class BlockManager:
         """The content keys of ``req``'s first ``num_blocks`` full blocks (prompt + outputs), computed once and
         kept in ``req.block_hashes``."""
         hashes = req.block_hashes
-        bs = self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(block_key(hashes[-1] if hashes else ROOT_KEY, req.token_ids(i * bs, (i + 1) * bs)))
+        start = len(hashes)
+        if start < num_blocks:
+            bs = self.block_size
+            key = hashes[-1] if start else ROOT_KEY
+            for i in range(start, num_blocks):
+                key = block_key(key, req.token_ids(i * bs, (i + 1) * bs))
+                hashes.append(key)
         return hashes
 
     def match_prefix(self, req: Request) -> list[int]:
