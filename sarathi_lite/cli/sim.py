@@ -31,7 +31,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     cost_model = sim.load_cost_model(args.cost_model)
     workload = build_workload(args)
     options = {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
-               "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
+               "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len,
+               "enable_prefix_caching": args.enable_prefix_caching}
     print(f"workload: {workload.describe()}")
     print(f"cost model: {_describe(cost_model.describe())}")
     if args.capacity:
@@ -109,6 +110,8 @@ def add_sim_parsers(sub: Any) -> None:
     s.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool (default: what the engine would allocate on the modelled deployment)")
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="model the prefix cache, as the engine's default (on)")
     s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
     s.add_argument("--plot", action="store_true", help="also write sim.png (capacity.png with --capacity)")
     g = s.add_argument_group("capacity search (--capacity)")

@@ -16,7 +16,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 # The SchedulerConfig fields an engine passes through unchanged (num_blocks and max_model_len it derives).
 SCHEDULER_FIELDS = ("policy", "chunk_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "watermark",
-                    "max_num_partial_prefills", "long_prefill_token_threshold", "max_long_partial_prefills")
+                    "max_num_partial_prefills", "long_prefill_token_threshold", "max_long_partial_prefills",
+                    "enable_prefix_caching")
 
 
 @dataclass(slots=True)
@@ -29,6 +30,8 @@ class EngineConfig:
     chunk_size: token budget per iteration (chunked policies). max_num_seqs: most running requests.
     max_num_batched_tokens, watermark, max_num_partial_prefills, long_prefill_token_threshold,
         max_long_partial_prefills: as in ``SchedulerConfig``.
+    enable_prefix_caching: reuse the KV blocks of prompt prefixes other requests computed (see
+        ``SchedulerConfig``); greedy outputs are the same either way.
     block_size: tokens per KV block. num_kv_blocks: KV pool size in blocks; ``None`` derives it from
         ``kv_cache_memory`` bytes (default 1 GiB on CPU) or, on CUDA, ``gpu_memory_utilization`` of the card.
     max_model_len: most tokens per request (``None``: the model's ``max_position_embeddings``, capped by the pool).
@@ -49,6 +52,7 @@ class EngineConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
+    enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9

@@ -38,6 +38,9 @@ from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
 from sarathi_lite.sim.roofline import roofline
 
 ROOFLINE_PREFIX = "roofline:"
+# Prompt token ids matter only to the prefix cache, through which of them are equal: the simulator draws them
+# from the workload (as the replay does) over this vocabulary.
+PROMPT_VOCAB = 32768
 
 
 def load_cost_model(spec: str | Path) -> CostModel:
@@ -55,13 +58,14 @@ def load_cost_model(spec: str | Path) -> CostModel:
 
 def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *, max_num_seqs: int = 128,
                      block_size: int = 16, num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                     **options: Any) -> SchedulerConfig:
+                     enable_prefix_caching: bool = True, **options: Any) -> SchedulerConfig:
     """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment.
 
     num_kv_blocks: ``None`` derives it, as ``LLMEngine`` does, from the cost model's KV memory
     (``kv_cache_memory // (kv_bytes_per_token * block_size)``). max_model_len: ``None`` means the model's
     ``max_position_embeddings`` capped by the pool. chunk_size: ``None`` (unchunked policies) means 512, as
-    ``bench.build_engine``. options: further ``SchedulerConfig`` fields."""
+    ``bench.build_engine``. enable_prefix_caching: on, as in ``EngineConfig``. options: further
+    ``SchedulerConfig`` fields."""
     if num_kv_blocks is None:
         if cost_model.kv_cache_memory is None or cost_model.kv_bytes_per_token is None:
             raise ValueError("this cost model does not know the KV memory of its deployment: give num_kv_blocks")
@@ -71,14 +75,17 @@ def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None,
         if cost_model.max_position_embeddings is not None:
             max_model_len = min(cost_model.max_position_embeddings, max_model_len)
     return SchedulerConfig(policy=policy, chunk_size=chunk_size or 512, max_num_seqs=max_num_seqs,
-                           block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
+                           block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len,
+                           enable_prefix_caching=enable_prefix_caching, **options)
 
 
 def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *, chunk_size: int | None = None,
              record_batches: bool = False, seed: int = 0) -> BenchResult:
     """Serve ``workload`` under ``config`` on a simulated clock (seconds from 0) and return what it recorded.
 
-    Every request produces exactly its ``output_len`` tokens (as the real replay forces them). chunk_size:
+    Every request produces exactly its ``output_len`` tokens (as the real replay forces them). With prefix
+    caching, prompts are ``workload.prompt_token_ids(PROMPT_VOCAB)``, so shared prefixes hit as in a replay
+    (without, their ids do not matter and are not drawn). chunk_size:
     recorded in the configuration (default: ``config.chunk_size`` for chunked policies, else ``None``).
     record_batches: keep every iteration's ``(request_id, num_new_tokens)`` rows, as the engine's option.
     seed: of the cost model's random draws, if it makes any (``cost_model.reset(seed)`` runs first).
@@ -90,6 +97,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     scheduler = make_scheduler(config)
     metrics = MetricsRecorder(record_batches=record_batches)
     specs = workload.requests
+    prompts = workload.prompt_token_ids(PROMPT_VOCAB) if config.enable_prefix_caching else None
     no_stop: frozenset[int] = frozenset()
     start_time, predict, schedule, update = cost_model.start_time, cost_model.predict, scheduler.schedule, \
         scheduler.update
@@ -102,7 +110,8 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
         start = start_time(ready)
         while nxt < n and specs[nxt].arrival_time <= start:
             spec = specs[nxt]
-            add_request(Request(spec.request_id, [0] * spec.prompt_len, spec.output_len, no_stop, spec.arrival_time))
+            add_request(Request(spec.request_id, prompts[nxt] if prompts else [0] * spec.prompt_len,
+                                spec.output_len, no_stop, spec.arrival_time))
             add_metrics(spec.request_id, spec.arrival_time, spec.prompt_len)
             nxt += 1
         out = schedule()
