@@ -51,7 +51,7 @@ class BlockManager:
     """
 
     __slots__ = ("num_blocks", "block_size", "enable_caching", "_free", "_cached_free", "_ref", "_key", "_table",
-                 "num_queried_tokens", "num_hit_tokens")
+                 "_pack", "num_queried_tokens", "num_hit_tokens")
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -66,6 +66,7 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._key: list[bytes | None] = [None] * num_blocks
         self._table: dict[bytes, int] = {}  # content key -> the block holding it
+        self._pack = struct.Struct(f"<{block_size}q").pack  # a full block's tokens, as block_key packs them
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -168,10 +169,10 @@ class BlockManager:
         hashes = req.block_hashes
         start = len(hashes)
         if start < num_blocks:
-            bs = self.block_size
+            bs, pack, tokens = self.block_size, self._pack, req.token_ids
             key = hashes[-1] if start else ROOT_KEY
             for i in range(start, num_blocks):
-                key = block_key(key, req.token_ids(i * bs, (i + 1) * bs))
+                key = sha256(key + pack(*tokens(i * bs, (i + 1) * bs))).digest()  # block_key, inlined
                 hashes.append(key)
         return hashes
 
