@@ -11,6 +11,9 @@ Python's cyclic garbage collector runs inside the timed calls whenever enough ob
 step allocates a record per scheduled request); its full passes dominate p99 at 1024 requests. ``--no-gc``
 switches it off during the timed steps, to show the scheduler's own cost.
 
+Besides wall time, the CPU time this process spent in the two calls (``time.process_time_ns``) is kept: on a
+machine shared with other jobs it leaves out the time the process waited for a core.
+
 ``--prefix-caching`` turns the prefix cache on (hashing every full block, looking up every admission);
 ``--shared-prefix N`` starts every prompt with the same N tokens (a system prompt), so admissions hit it.
 
@@ -85,20 +88,26 @@ def measure(policy: str, concurrency: int, steps: int, warmup: int, seed: int, c
         added += 1
     schedule_ns: list[int] = []
     update_ns: list[int] = []
+    cpu_ns = 0
     batch_rows = prefill_rows = running = 0
-    clock = time.perf_counter_ns
+    clock, cpu = time.perf_counter_ns, time.process_time_ns
     gc.collect()
     if not collect:
         gc.disable()
     for i in range(warmup + steps):
+        c0 = cpu()
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
+        c1 = cpu()
         sampled = {s.request_id: TOKEN for s in out.scheduled if s.sample}
+        c2 = cpu()
         t2 = clock()
         finished = sched.update(out, sampled)
         t3 = clock()
+        c3 = cpu()
         if i >= warmup:
+            cpu_ns += c1 - c0 + c3 - c2
             schedule_ns.append(t1 - t0)
             update_ns.append(t3 - t2)
             batch_rows += len(out.scheduled)
@@ -118,6 +127,7 @@ def measure(policy: str, concurrency: int, steps: int, warmup: int, seed: int, c
         "p50_us": percentile(step_us, 0.50),
         "p99_us": percentile(step_us, 0.99),
         "per_request_us": mean_us / concurrency,
+        "cpu_mean_us": cpu_ns / steps / 1e3,
         "schedule_mean_us": statistics.fmean(schedule_ns) / 1e3,
         "update_mean_us": statistics.fmean(update_ns) / 1e3,
         "mean_batch_rows": batch_rows / steps,
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     header = (f"{'policy':<16}{'requests':>9}{'mean us':>10}{'p99 us':>10}{'us/request':>12}"
-              f"{'schedule':>10}{'update':>9}{'rows':>8}{'running':>9}{'hit rate':>9}")
+              f"{'schedule':>10}{'update':>9}{'rows':>8}{'running':>9}{'hit rate':>9}{'cpu us':>9}")
     print(header)
     print("-" * len(header))
     for policy in args.policies:
@@ -154,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(f"{policy:<16}{concurrency:>9}{r['mean_us']:>10.1f}{r['p99_us']:>10.1f}{r['per_request_us']:>12.3f}"
                   f"{r['schedule_mean_us']:>10.1f}{r['update_mean_us']:>9.1f}{r['mean_batch_rows']:>8.1f}"
-                  f"{r['mean_running']:>9.1f}{r['hit_rate']:>9.2f}", flush=True)
+                  f"{r['mean_running']:>9.1f}{r['hit_rate']:>9.2f}{r['cpu_mean_us']:>9.1f}", flush=True)
     print("(mean/p99 us: schedule() + update() per step; schedule/update: their means; rows: requests per batch; "
-          "running: mean requests holding blocks; hit rate: prefill tokens found in the prefix cache)")
+          "running: mean requests holding blocks; hit rate: prefill tokens found in the prefix cache; cpu us: "
+          "mean CPU time of schedule() + update())")
 
     result = {
         "benchmark": "scheduler_overhead",
