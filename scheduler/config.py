@@ -36,7 +36,8 @@ class SchedulerConfig:
         a long prompt that this limit holds back.
     enable_prefix_caching: reuse the KV blocks of a prompt prefix another request has already computed
         (content-addressed full blocks, see ``sarathi_lite.scheduler.block_manager``): an admitted request
-        starts at the longest cached prefix and computes only the rest.
+        starts at the longest cached prefix and computes only the rest. On by default (greedy outputs are
+        the same either way); the paper's policy comparisons turn it off.
     """
 
     policy: str = "sarathi"
@@ -50,7 +51,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

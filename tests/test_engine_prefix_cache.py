@@ -180,11 +180,12 @@ def test_the_cache_hit_path_never_writes_into_blocks_others_read_and_matches_a_c
 
 
 def test_engine_option_cli_flag_and_reset(tiny_checkpoints):
-    from sarathi_lite.cli import build_parser, engine_kwargs
+    from sarathi_lite.cli import build_parser
+    from sarathi_lite.cli.common import engine_config
 
-    assert engine_kwargs(build_parser().parse_args(["generate"]))["enable_prefix_caching"] is True
-    assert engine_kwargs(build_parser().parse_args(["generate", "--no-enable-prefix-caching"]))[
-        "enable_prefix_caching"] is False
+    assert engine_config(build_parser().parse_args(["generate"])).enable_prefix_caching is True
+    assert engine_config(build_parser().parse_args(["generate", "--no-enable-prefix-caching"])
+                         ).enable_prefix_caching is False
     engine = make_engine(tiny_checkpoints["llama"], True, block_size=4)
     engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=1))
     while engine.has_unfinished_requests():
