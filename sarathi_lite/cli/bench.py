@@ -29,6 +29,7 @@ from sarathi_lite.cli.common import (
     engine_config,
     policies,
     save_capacity,
+    save_comparison,
     slo_from_args,
 )
 from sarathi_lite.engine.config import EngineConfig
@@ -44,7 +45,6 @@ def _shared_options(config: EngineConfig) -> dict[str, Any]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sarathi_lite.bench import replay
-    from sarathi_lite.bench.results import compare, save_results
 
     apply_threads(args)
     config = engine_config(args)
@@ -55,9 +55,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = replay.run(workload, policies=policies(args), chunk_sizes=args.chunk_sizes or [config.chunk_size],
                          model=config.model, progress=not args.no_progress, **_shared_options(config))
     print(f"\n{results[0].meta['machine']}; load average {results[0].meta['load_average_start'][0]:.2f} at start")
-    print(compare(results))
-    paths = save_results(results, args.out, plot="bench.png" if args.plot else None)
-    print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
+    save_comparison(results, args.out, plot="bench.png" if args.plot else None)
     return 0
 
 

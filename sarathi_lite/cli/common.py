@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.bench.capacity import SLO, CapacityResult
-from sarathi_lite.bench.plots import plot_capacity
+from sarathi_lite.bench.plots import plot_capacity, plot_results
+from sarathi_lite.bench.results import BenchResult, compare, save_results
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.engine.config import SCHEDULER_FIELDS, EngineConfig
 from sarathi_lite.scheduler import POLICIES
@@ -194,6 +195,16 @@ def slo_from_args(args: argparse.Namespace) -> SLO:
     slo = SLO(args.tbt_slo, args.max_scheduling_delay)
     print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
     return slo
+
+
+def save_comparison(results: Sequence[BenchResult], out_dir: str | Path, *, plot: str | None = None) -> None:
+    """Print ``compare(results)``, write them (``save_results``) and, if ``plot`` names a file, the
+    ``plot_results`` figure there, to ``out_dir``."""
+    print(compare(results))
+    paths = save_results(results, out_dir)
+    if plot:
+        paths.append(plot_results(results, Path(out_dir) / plot))
+    print(f"wrote {len(paths)} files to {out_dir}" + (f", plot {paths[-1]}" if plot else ""))
 
 
 def save_capacity(found: Sequence[CapacityResult], out_dir: str | Path, *, plot: bool = False) -> None:
