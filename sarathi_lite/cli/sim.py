@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli.common import (
     SIM_FIELDS,
     add_capacity_args,
@@ -55,7 +56,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Any, chunk_size: int,
+def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Workload, chunk_size: int,
               options: dict[str, Any]) -> int:
     if args.tbt_slo is None:
         raise ValueError("--capacity needs --tbt-slo (seconds)")

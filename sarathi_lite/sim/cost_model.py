@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.metrics import IterationRecord
 from sarathi_lite.scheduler import SchedulerOutput
 
@@ -248,7 +249,7 @@ class ReplayCostModel(CostModel):
         self.next = 0
 
     @classmethod
-    def from_result(cls, result: Any) -> ReplayCostModel:
+    def from_result(cls, result: BenchResult) -> ReplayCostModel:
         """From a real ``BenchResult``: its iterations and the run start implied by any request's arrival."""
         spec = result.workload.requests[0]
         first = next(m for m in result.stats.requests if m.request_id == spec.request_id)
