@@ -37,6 +37,8 @@ class EngineConfig:
     attention_backend: ``"auto"`` (FlashInfer on CUDA when usable, else torch), ``"torch"``, ``"flashinfer"``.
     load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights, for benchmarking model shapes).
     record_batches: keep every iteration's batch composition in the iteration records.
+    stats_window: keep the records of only the last this many finished requests and iterations (bounded memory
+        for a long-running server; ``stats()`` then covers that window); ``None`` keeps every record.
     """
 
     model: str | None = None
@@ -58,6 +60,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     load_format: str = "auto"
     record_batches: bool = False
+    stats_window: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -71,7 +74,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
