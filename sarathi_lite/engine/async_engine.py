@@ -87,36 +87,35 @@ class AsyncLLMEngine:
         """Requests with a consumer still waiting for outputs."""
         return len(self._streams)
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its step outputs (deltas) until the one that finishes it.
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                          request_id: str | None = None) -> RequestStream:
+        """Queue a request; once the engine thread accepted it, return the stream of its step outputs.
 
-        Raises ``ValueError`` (bad input, before anything is yielded) as ``LLMEngine.add_request`` does, and
-        ``EngineDeadError`` if the engine loop stops. Closing or cancelling the consumer aborts the request.
+        Raises ``ValueError`` for bad input, as ``LLMEngine.add_request`` does, and ``EngineDeadError`` if the
+        engine loop stopped. Iterate the stream to its end or ``aclose()`` it: closing or cancelling aborts.
         """
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
         self._submit(_Add(request_id, prompt, params or SamplingParams(), stream, accepted))
-        finished = False
         try:
-            try:
-                await accepted
-            except Exception:
-                finished = True  # never added (bad input, or the engine stopped): nothing to abort
-                raise
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine stopped: {item!r}") from item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            await accepted
+        except asyncio.CancelledError:
+            self._abort(_Abort(request_id, stream))  # applied after the add: the request never runs
+            raise
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """``add_request`` then yield its step outputs (deltas) until the one that finishes it; closing or
+        cancelling the consumer aborts the request."""
+        outputs = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in outputs:
+                yield out
         finally:
-            if not finished:
-                self._abort(_Abort(request_id, stream))
+            await outputs.aclose()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its generator ends with an ``"abort"`` output."""
@@ -215,6 +214,44 @@ class AsyncLLMEngine:
             by_loop.setdefault(stream.loop, []).append((stream.queue, error))
         for loop, items in by_loop.items():
             _call(loop, _put_all, items)
+
+
+class RequestStream:
+    """The step outputs of one request, as an async iterator that ends after the finishing output.
+
+    Cancelling a pending ``__anext__`` or calling ``aclose()`` before the end aborts the request (its KV blocks
+    are free before the engine's next step). Raises ``EngineDeadError`` if the engine loop stops.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._stream = stream
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise EngineDeadError(f"the engine stopped: {item!r}") from item
+        if item.finished:
+            self._done = True
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request unless it already ended."""
+        if not self._done:
+            self._done = True
+            self._engine._abort(_Abort(self.request_id, self._stream))
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
