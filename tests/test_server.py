@@ -325,3 +325,28 @@ def test_an_error_after_streaming_began_is_an_error_event_then_done(checkpoint):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_bench_client_replays_a_workload_over_http_into_a_bench_result(server, tmp_path):
+    from sarathi_lite.bench.http_client import replay_http
+    from sarathi_lite.bench.results import BenchResult, compare
+    from sarathi_lite.bench.workload import Workload
+    from sarathi_lite.cli import main
+
+    workload = Workload.synthetic("uniform:8-40:4-12", num_requests=8, qps=20.0, seed=3)
+    result = replay_http(workload, server, vocab_size=TINY["vocab_size"], progress=False)
+    assert result.meta["num_errors"] == 0 and result.config["model"] == MODEL
+    prompts = workload.prompt_token_ids(TINY["vocab_size"])
+    for spec, ids, m in zip(workload.requests, prompts, result.stats.requests):
+        assert m.num_prompt_tokens == len(ids) == spec.prompt_len
+        assert m.num_output_tokens == spec.output_len and len(m.tbt) == spec.output_len - 1
+        assert 0 < m.ttft <= m.e2e and m.finish_reason == "length"
+    s = result.summary()
+    assert s["num_requests"] == 8 and s["ttft_p50"] > 0 and s["tbt_p50"] > 0
+    assert "openai:tiny-llama" in compare([result])
+    out = tmp_path / "http"
+    assert main(["bench", "--backend", "openai", "--base-url", server, "--lengths", "fixed:16:6",
+                 "--num-requests", "4", "--qps", "10", "--vocab-size", "320", "--no-progress",
+                 "--out", str(out)]) == 0
+    saved = BenchResult.from_json(out / "openai_tiny-llama.json")
+    assert [r.num_output_tokens for r in saved.stats.requests] == [6] * 4
