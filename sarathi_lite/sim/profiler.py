@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 HOLDOUT_EVERY = 5
 JITTER_QUANTILES = 21  # every 5th percentile
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+# The calibration run's chunk size: part of the profiling method (its batches mix chunks and decodes like a
+# serving run's), not an engine option, so the same profile comes out whatever the engine's default.
+CALIBRATION_CHUNK_SIZE = 128
 
 
 def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes: int = 64, quick: bool = False,
@@ -204,7 +207,7 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     """
     wall = time.perf_counter()
     load_start = os.getloadavg()
-    engine = build_engine(model, "sarathi", 128, engine, **engine_options)
+    engine = build_engine(model, "sarathi", CALIBRATION_CHUNK_SIZE, engine, **engine_options)
     warm_up(engine)
     shapes = profile_grid(max_tokens=max_tokens, max_context=max_context, max_decodes=max_decodes, quick=quick,
                           seed=seed)
