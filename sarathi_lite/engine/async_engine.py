@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
@@ -73,6 +75,8 @@ class AsyncLLMEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
+        # torch's CPU thread count is per OS thread (OpenMP): carry the caller's over to the engine thread
+        self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="sarathi-lite-engine", daemon=True)
         self._thread.start()
 
@@ -145,6 +149,7 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        torch.set_num_threads(self._num_threads)
         try:
             while True:
                 with self._lock:
