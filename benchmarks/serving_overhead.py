@@ -3,11 +3,13 @@
 1. HTTP overhead: the same Poisson workload (same requests, arrivals and prompt token ids) replayed in process
    (``bench.replay.replay`` on an ``LLMEngine``) and over HTTP (``bench.http_client.replay_http`` against a
    ``sarathi-lite serve`` subprocess with the same engine options), alternating, ``--rounds`` times each.
-   TTFT and TBT of the HTTP runs are measured at the client, so they include tokenization-free request
-   handling, the engine thread hand-off, SSE encoding and loopback.
+   TTFT and TBT of the HTTP runs are measured at the client, so they include request parsing, the engine
+   thread hand-off, SSE encoding, loopback and the client's parsing. Wall-clock latencies on a shared machine
+   move with its load, so each run also reports the engine's mean step time and the CPU seconds per output
+   token (server + client process for HTTP, the one process in process), which the load does not inflate.
 2. Async engine overhead: offline throughput (output tokens/s over the wall time of the whole batch) of the
    same requests through ``LLM.generate`` and through ``AsyncLLMEngine.generate`` (all requests at once, one
-   asyncio consumer each) on the same engine, alternating.
+   asyncio consumer each) on the same engine, alternating; also CPU seconds per output token.
 
     python benchmarks/serving_overhead.py                 # SmolLM2-135M, one torch thread
     python benchmarks/serving_overhead.py --rounds 1 --num-requests 10
@@ -38,7 +40,14 @@ from sarathi_lite.bench.replay import machine, replay, warm_up
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.engine.async_engine import AsyncLLMEngine
 
-KEYS = ("ttft_p50", "tbt_p50", "tbt_p99", "throughput_output_tokens_per_s", "mean_step_s")
+KEYS = ("ttft_p50", "tbt_p50", "tbt_p99", "throughput_output_tokens_per_s", "mean_step_s", "cpu_s_per_token")
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of a process, all its threads (Linux ``/proc``): unlike wall times, it does
+    not grow when other work on a shared machine takes the cores."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -81,6 +90,7 @@ def http_overhead(args: argparse.Namespace, llm: LLM, out_dir: Path) -> dict:
         for r in range(args.rounds):
             for name in ("in-process", "http"):
                 load = os.getloadavg()[0]
+                cpu0 = cpu_seconds() + cpu_seconds(server.pid)
                 if name == "in-process":
                     result = replay(engine, workload, progress=False)
                     its = result.stats.iterations
@@ -91,12 +101,15 @@ def http_overhead(args: argparse.Namespace, llm: LLM, out_dir: Path) -> dict:
                     assert result.meta["num_errors"] == 0
                     after = _iteration_seconds(url)
                     step = (after[0] - before[0]) / (after[1] - before[1])
+                cpu = cpu_seconds() + cpu_seconds(server.pid) - cpu0  # client + server, or the engine alone
                 s = result.summary()
                 runs[name].append({"round": r, "load_average_1m": load, **{k: s[k] for k in KEYS if k in s},
-                                   "num_requests": s["num_requests"], "mean_step_s": step})
+                                   "num_requests": s["num_requests"], "mean_step_s": step,
+                                   "cpu_s_per_token": cpu / s["output_tokens"]})
                 print(f"  round {r} {name:<10} load {load:.2f}: TTFT p50 {1000 * s['ttft_p50']:.0f} ms, TBT p50 "
                       f"{1000 * s['tbt_p50']:.1f} ms p99 {1000 * s['tbt_p99']:.1f} ms, "
-                      f"{s['throughput_output_tokens_per_s']:.1f} out tok/s, engine step {1000 * step:.1f} ms",
+                      f"{s['throughput_output_tokens_per_s']:.1f} out tok/s, engine step {1000 * step:.1f} ms, "
+                      f"CPU {1000 * cpu / s['output_tokens']:.1f} ms/token",
                       flush=True)
     finally:
         server.terminate()
@@ -130,6 +143,7 @@ def async_overhead(args: argparse.Namespace, llm: LLM) -> dict:
     for r in range(args.rounds):
         for name in runs:
             load = os.getloadavg()[0]
+            cpu0 = cpu_seconds()
             t0 = time.perf_counter()
             if name == "LLM.generate":
                 counts = [len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -140,13 +154,19 @@ def async_overhead(args: argparse.Namespace, llm: LLM) -> dict:
                 finally:
                     aengine.shutdown()
             wall = time.perf_counter() - t0
+            cpu = cpu_seconds() - cpu0
             assert sum(counts) == total
             runs[name].append({"round": r, "load_average_1m": load, "wall_s": wall,
-                               "throughput_output_tokens_per_s": total / wall})
-            print(f"  round {r} {name:<15} load {load:.2f}: {total / wall:.1f} out tok/s ({wall:.1f} s)", flush=True)
-    ratio = (statistics.median(x["throughput_output_tokens_per_s"] for x in runs["AsyncLLMEngine"])
-             / statistics.median(x["throughput_output_tokens_per_s"] for x in runs["LLM.generate"]))
-    return {"workload": workload.describe(), "runs": runs, "throughput_ratio": ratio}
+                               "throughput_output_tokens_per_s": total / wall, "cpu_s_per_token": cpu / total})
+            print(f"  round {r} {name:<15} load {load:.2f}: {total / wall:.1f} out tok/s ({wall:.1f} s), "
+                  f"CPU {1000 * cpu / total:.1f} ms/token", flush=True)
+
+    def ratio(key: str) -> float:
+        return (statistics.median(x[key] for x in runs["AsyncLLMEngine"])
+                / statistics.median(x[key] for x in runs["LLM.generate"]))
+
+    return {"workload": workload.describe(), "runs": runs, "throughput_ratio": ratio("throughput_output_tokens_per_s"),
+            "cpu_per_token_ratio": ratio("cpu_s_per_token")}
 
 
 def _ratios(test: list[dict], base: list[dict]) -> dict[str, float]:
@@ -185,9 +205,10 @@ def main() -> None:
     for k in KEYS:
         base = statistics.median(x[k] for x in http["runs"]["in-process"])
         test = statistics.median(x[k] for x in http["runs"]["http"])
-        scale, unit = (1000, " ms") if k != "throughput_output_tokens_per_s" else (1, "")
+        scale, unit = (1, "") if k == "throughput_output_tokens_per_s" else (1000, " ms")
         print(f"{k + unit:<34} {scale * base:>11.1f} {scale * test:>9.1f} {http['ratios'][k]:>16.3f}")
     print(f"{'offline out tok/s: AsyncLLMEngine / LLM.generate':<56} {offline['throughput_ratio']:>16.3f}")
+    print(f"{'offline CPU per token: AsyncLLMEngine / LLM.generate':<56} {offline['cpu_per_token_ratio']:>16.3f}")
     print(f"load average at end {report['load_average_end'][0]:.2f}; wrote {out}")
 
 

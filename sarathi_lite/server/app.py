@@ -166,11 +166,13 @@ class _Server:
     async def _respond(self, body: _SamplingRequest, stream: RequestStream, fmt: _Format) -> Response:
         if body.stream:
             return StreamingResponse(self._events(body, stream, fmt), media_type="text/event-stream")
+        final = None
         try:
-            outs = [o async for o in stream]
+            async for out in stream:
+                final = out
         finally:
             await stream.aclose()
-        return JSONResponse(fmt.whole(outs, _usage(outs[-1])))
+        return JSONResponse(fmt.whole(final, _usage(final)))
 
     async def _events(self, body: _SamplingRequest, stream: RequestStream, fmt: _Format) -> AsyncIterator[str]:
         try:
@@ -220,8 +222,7 @@ class _Format:
             chunk["usage"] = usage
         return chunk
 
-    def whole(self, outs: list[RequestOutput], usage: dict[str, Any]) -> dict[str, Any]:
-        final = outs[-1]
+    def whole(self, final: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]:
         logprobs = self._logprobs(final.token_ids or [], final.logprobs)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text or ""},
