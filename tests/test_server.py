@@ -290,6 +290,22 @@ def test_64_streams_with_a_third_disconnecting_leak_nothing(server):
     assert finished("abort") >= 1, "no disconnect reached the engine as an abort"
 
 
+def test_a_client_leaving_a_non_streamed_request_aborts_it(server):
+    before = scrape(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", timeout=0.3,
+                   json={"model": MODEL, "prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True})
+    key = 'sarathi_lite_requests_finished_total{finish_reason="abort"}'
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = scrape(server)
+        if m.get(key, 0.0) > before.get(key, 0.0) and m["sarathi_lite_kv_blocks_used"] == 0:
+            break
+        time.sleep(0.1)
+    assert m.get(key, 0.0) - before.get(key, 0.0) == 1 and m["sarathi_lite_kv_blocks_used"] == 0
+    assert m["sarathi_lite_generation_tokens_total"] - before["sarathi_lite_generation_tokens_total"] < 1000
+
+
 def test_an_error_after_streaming_began_is_an_error_event_then_done(checkpoint):
     import uvicorn
 

@@ -9,6 +9,7 @@ disconnects mid-stream cancels its handler, which aborts its request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -28,6 +29,7 @@ from sarathi_lite.server.metrics import ServerMetrics
 from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
 DONE = "data: [DONE]\n\n"
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there (seconds)
 
 
 def build_app(engine: LLMEngine, served_model_name: str | None = None) -> FastAPI:
@@ -62,12 +64,12 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None) -> FastAP
         return {"object": "list", "data": [server.model_card()]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        return await server.completion(body)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completion(body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await server.chat(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat(body, request)
 
     return app
 
@@ -87,15 +89,15 @@ class _Server:
 
     # ------------------------------------------------------------------ the two endpoints
 
-    async def completion(self, body: CompletionRequest) -> Response:
+    async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         prompt_ids = self._prompt_ids(body.prompt)
         max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens, "prompt", "max_tokens")
         stream = await self._start(body, prompt_ids, max_tokens, body.logprobs, "prompt")
         fmt = _Format(self, stream.request_id, "text_completion", chat=False, top_logprobs=body.logprobs)
-        return await self._respond(body, stream, fmt)
+        return await self._respond(body, stream, fmt, request)
 
-    async def chat(self, body: ChatCompletionRequest) -> Response:
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -114,7 +116,7 @@ class _Server:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         stream = await self._start(body, prompt_ids, max_tokens, top, "messages")
         fmt = _Format(self, stream.request_id, "chat.completion", chat=True, top_logprobs=top)
-        return await self._respond(body, stream, fmt)
+        return await self._respond(body, stream, fmt, request)
 
     # ------------------------------------------------------------------ shared steps
 
@@ -163,13 +165,17 @@ class _Server:
         except ValueError as e:
             raise to_api_error(e, prompt_param) from e
 
-    async def _respond(self, body: _SamplingRequest, stream: RequestStream, fmt: _Format) -> Response:
-        if body.stream:
+    async def _respond(self, body: _SamplingRequest, stream: RequestStream, fmt: _Format, request: Request
+                       ) -> Response:
+        if body.stream:  # a disconnect cancels the streaming task, which aborts the request
             return StreamingResponse(self._events(body, stream, fmt), media_type="text/event-stream")
-        final = None
+        collect = asyncio.ensure_future(_last(stream))
         try:
-            async for out in stream:
-                final = out
+            while not collect.done():  # nothing is sent until the end: watch for the client leaving meanwhile
+                await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
+                if not collect.done() and await request.is_disconnected():
+                    collect.cancel()
+            final = await collect
         finally:
             await stream.aclose()
         return JSONResponse(fmt.whole(final, _usage(final)))
@@ -257,6 +263,13 @@ class _Format:
     def _token_text(self, token_id: int) -> str:
         tok = self.server.tokenizer
         return f"token_id:{token_id}" if tok is None else tok.decode([token_id])
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for out in stream:
+        final = out
+    return final
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
