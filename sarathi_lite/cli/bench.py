@@ -33,6 +33,7 @@ from sarathi_lite.cli.common import (
     engine_config,
     policies,
     save_capacity,
+    save_comparison,
     slo_from_args,
 )
 from sarathi_lite.engine.config import EngineConfig
@@ -48,7 +49,6 @@ def _shared_options(config: EngineConfig) -> dict[str, Any]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sarathi_lite.bench import replay
-    from sarathi_lite.bench.results import compare, save_results
 
     apply_threads(args)
     config = engine_config(args)
@@ -61,15 +61,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = replay.run(workload, policies=policies(args), chunk_sizes=args.chunk_sizes or [config.chunk_size],
                          model=config.model, progress=not args.no_progress, **_shared_options(config))
     print(f"\n{results[0].meta['machine']}; load average {results[0].meta['load_average_start'][0]:.2f} at start")
-    print(compare(results))
-    paths = save_results(results, args.out, plot="bench.png" if args.plot else None)
-    print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
+    save_comparison(results, args.out, plot="bench.png" if args.plot else None)
     return 0
 
 
 def _bench_http(args: argparse.Namespace, workload: Any) -> int:
     from sarathi_lite.bench.http_client import replay_http
-    from sarathi_lite.bench.results import compare, save_results
 
     if not args.base_url:
         raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
@@ -78,9 +75,7 @@ def _bench_http(args: argparse.Namespace, workload: Any) -> int:
                          continuous_usage=not args.no_continuous_usage)
     print(f"\n{args.base_url} from {result.meta['machine']}; load average "
           f"{result.meta['load_average_start'][0]:.2f} at start; {result.meta['num_errors']} failed requests")
-    print(compare([result]))
-    paths = save_results([result], args.out, plot="bench.png" if args.plot else None)
-    print(f"wrote {len(paths)} files to {args.out}")
+    save_comparison([result], args.out, plot="bench.png" if args.plot else None)
     return 0
 
 

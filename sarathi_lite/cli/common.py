@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.bench.capacity import SLO, CapacityResult
-from sarathi_lite.bench.plots import plot_capacity
+from sarathi_lite.bench.plots import plot_capacity, plot_results
+from sarathi_lite.bench.results import BenchResult, compare, save_results
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.engine.config import SCHEDULER_FIELDS, EngineConfig
 from sarathi_lite.scheduler import POLICIES
@@ -135,18 +136,31 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt", type=int, default=1024, help="clip prompt lengths (tokens)")
     g.add_argument("--max-output", type=int, default=128, help="clip output lengths (tokens)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, synthetic lengths and prompt tokens")
+    g.add_argument("--system-prompt", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N-token system prompt (prefix caching)")
+    g.add_argument("--turns", type=int, default=None, metavar="K",
+                   help="multi-turn chats of K turns from the trace, turn k resending turns 1..k-1; "
+                        "--num-requests then counts conversations and --qps their starts")
+    g.add_argument("--turn-gap", type=float, default=10.0, help="seconds between a chat's turns (--turns)")
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
     """The ``Workload`` of ``add_workload_args``' flags."""
     qps = args.qps or None
-    if args.lengths:
-        return Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps, max_prompt=args.max_prompt,
-                                  max_output=args.max_output, seed=args.seed)
-    return Workload.from_trace(args.trace, num_requests=args.num_requests, start=args.start, qps=qps,
-                               time_scale=args.time_scale, prompt_scale=args.prompt_scale,
-                               output_scale=args.output_scale, max_prompt=args.max_prompt,
-                               max_output=args.max_output, seed=args.seed)
+    if args.turns:
+        workload = Workload.conversations(args.trace, num_conversations=args.num_requests, turns=args.turns,
+                                          qps=qps, turn_gap=args.turn_gap, start=args.start,
+                                          prompt_scale=args.prompt_scale, output_scale=args.output_scale,
+                                          max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
+    elif args.lengths:
+        workload = Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps,
+                                      max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
+    else:
+        workload = Workload.from_trace(args.trace, num_requests=args.num_requests, start=args.start, qps=qps,
+                                       time_scale=args.time_scale, prompt_scale=args.prompt_scale,
+                                       output_scale=args.output_scale, max_prompt=args.max_prompt,
+                                       max_output=args.max_output, seed=args.seed)
+    return workload.with_system_prompt(args.system_prompt) if args.system_prompt else workload
 
 
 def add_sweep_args(p: argparse.ArgumentParser, *, chunk_sizes: bool = True) -> None:
@@ -181,6 +195,16 @@ def slo_from_args(args: argparse.Namespace) -> SLO:
     slo = SLO(args.tbt_slo, args.max_scheduling_delay)
     print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
     return slo
+
+
+def save_comparison(results: Sequence[BenchResult], out_dir: str | Path, *, plot: str | None = None) -> None:
+    """Print ``compare(results)``, write them (``save_results``) and, if ``plot`` names a file, the
+    ``plot_results`` figure there, to ``out_dir``."""
+    print(compare(results))
+    paths = save_results(results, out_dir)
+    if plot:
+        paths.append(plot_results(results, Path(out_dir) / plot))
+    print(f"wrote {len(paths)} files to {out_dir}" + (f", plot {paths[-1]}" if plot else ""))
 
 
 def save_capacity(found: Sequence[CapacityResult], out_dir: str | Path, *, plot: bool = False) -> None:

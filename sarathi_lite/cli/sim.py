@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sarathi_lite.bench.results import compare, save_results
 from sarathi_lite.cli.common import (
     SIM_FIELDS,
     add_capacity_args,
@@ -27,6 +26,7 @@ from sarathi_lite.cli.common import (
     engine_options,
     policies,
     save_capacity,
+    save_comparison,
     slo_from_args,
 )
 from sarathi_lite.engine.config import SCHEDULER_FIELDS
@@ -51,9 +51,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
                       chunk_sizes=args.chunk_sizes or [config.chunk_size], **options)
     wall = sum(r.meta["wall_time"] for r in results)
     print(f"\nsimulated {len(results)} configuration(s) in {wall:.2f} s")
-    print(compare(results))
-    paths = save_results(results, args.out, plot="sim.png" if args.plot else None)
-    print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
+    save_comparison(results, args.out, plot="sim.png" if args.plot else None)
     return 0
 
 

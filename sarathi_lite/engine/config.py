@@ -51,6 +51,9 @@ class EngineConfig:
         "chunk is capped at it (default: no prompt is long)")
     max_long_partial_prefills: int = _scheduler_option(
         "max_long_partial_prefills", "most long prompts mid-prefill at once")
+    enable_prefix_caching: bool = _scheduler_option(
+        "enable_prefix_caching", "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs "
+        "are the same either way)")
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks (default: derived from kv_cache_memory, or on CUDA from "
                 "gpu_memory_utilization)"})
@@ -96,6 +99,12 @@ class EngineConfig:
         # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
         self.scheduler_config(num_blocks=self.num_kv_blocks, max_model_len=1)
 
+    def kv_pool(self, *, kv_bytes_per_token: int | None, max_position_embeddings: int | None,
+                kv_cache_memory: int | None = None) -> KVPool:
+        """The KV pool and ``max_model_len`` these options give on a deployment: see ``kv_pool``."""
+        return kv_pool(self, kv_bytes_per_token=kv_bytes_per_token, max_position_embeddings=max_position_embeddings,
+                       kv_cache_memory=kv_cache_memory)
+
     def scheduler_config(self, num_blocks: int | None, max_model_len: int) -> SchedulerConfig:
         """The ``SchedulerConfig`` of this engine once its KV pool and ``max_model_len`` are known."""
         return SchedulerConfig(**{f: getattr(self, f) for f in SCHEDULER_FIELDS}, num_blocks=num_blocks,
@@ -120,6 +129,58 @@ class EngineConfig:
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass(slots=True, frozen=True)
+class KVPool:
+    """An engine's KV pool: ``num_blocks`` blocks of ``block_size`` tokens, and the longest request it accepts
+    (``max_model_len``, tokens); ``kv_cache_memory``: the byte budget it was sized from (``None`` when
+    ``num_kv_blocks`` was given)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    kv_cache_memory: int | None = None
+
+
+def device_kv_budget(free_memory: int, total_memory: int, utilization: float) -> int:
+    """Bytes for the KV pool on a device with ``free_memory`` of ``total_memory`` bytes free once the weights
+    are loaded: the rest after keeping ``1 - utilization`` of the device, at least 1 GiB, for activations."""
+    return int(free_memory - max(total_memory * (1 - utilization), 1 << 30))
+
+
+def kv_pool(config: EngineConfig, *, kv_bytes_per_token: int | None, max_position_embeddings: int | None,
+            kv_cache_memory: int | None = None) -> KVPool:
+    """The KV pool and ``max_model_len`` of ``config`` on a deployment, for the engine, the simulator and the
+    roofline model alike (pure: no torch, no device).
+
+    num_blocks: ``config.num_kv_blocks``, else the budget (``config.kv_cache_memory``, else ``kv_cache_memory``:
+    the deployment's default, e.g. ``device_kv_budget`` of a GPU or ``DEFAULT_CPU_KV_CACHE_BYTES``) over
+    ``kv_bytes_per_token * block_size``. max_model_len: ``config.max_model_len``, else
+    ``max_position_embeddings`` (``None``: no limit) capped by the pool's tokens.
+    Raises ``ValueError`` when the budget is unknown or holds no block, or ``max_model_len`` exceeds
+    ``max_position_embeddings``.
+    """
+    block_size = config.block_size
+    budget = None
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        budget = config.kv_cache_memory if config.kv_cache_memory is not None else kv_cache_memory
+        if budget is None or kv_bytes_per_token is None:
+            raise ValueError("the KV memory of this deployment is not known: give num_kv_blocks")
+        per_block = kv_bytes_per_token * block_size
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block of {per_block} bytes")
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        max_model_len = num_blocks * block_size
+        if max_position_embeddings is not None:
+            max_model_len = min(max_position_embeddings, max_model_len)
+    elif max_position_embeddings is not None and max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={max_position_embeddings}")
+    return KVPool(int(num_blocks), block_size, max_model_len, budget)
 
 
 # The SchedulerConfig fields an engine passes through unchanged: every EngineConfig field of the same name

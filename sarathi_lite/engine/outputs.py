@@ -18,7 +18,8 @@ class RequestOutput:
     At the end (``finished``): ``token_ids``, ``text`` (the concatenation of every ``new_text``) and
     ``logprobs`` (per token ``(sampled token's logprob, {token_id: logprob} of the top alternatives)`` when
     ``SamplingParams.logprobs`` is set); before the end they are ``None``.
-    metrics: the request's timeline (``ttft``, ``tbt``, ``e2e`` in seconds).
+    metrics: the request's timeline (``ttft``, ``tbt``, ``e2e`` in seconds) and ``num_cached_tokens``, the
+    prompt tokens served from the prefix cache.
     """
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "new_token_ids", "new_text", "new_logprobs",

@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 
 from sarathi_lite.bench.replay import BatchShape, build_engine, machine, warm_up
 from sarathi_lite.engine.llm_engine import LLMEngine
-from sarathi_lite.engine.model_runner import kv_cache_bytes_per_block
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import SchedulerOutput
 from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
@@ -219,7 +218,7 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     calibration = calibrate(engine, seed=seed)
     knots = sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})  # the knots some batch measured exactly
     cost, quality = fit_cost_model(terms, runs, holdout(shapes), knots, calibration)
-    per_token = kv_cache_bytes_per_block(engine.model, 1, engine.dtype)
+    per_token = engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
     cost.kv_bytes_per_token = per_token
     cost.kv_cache_memory = cfg.num_blocks * cfg.block_size * per_token
     cost.max_position_embeddings = engine.model_config.max_position_embeddings

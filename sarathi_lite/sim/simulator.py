@@ -32,13 +32,16 @@ from typing import Any
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.engine.config import default_option
+from sarathi_lite.engine.config import EngineConfig, default_option
 from sarathi_lite.metrics import MetricsRecorder
 from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, make_scheduler
 from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
 from sarathi_lite.sim.roofline import roofline
 
 ROOFLINE_PREFIX = "roofline:"
+# Prompt token ids matter only to the prefix cache, through which of them are equal: the simulator draws them
+# from the workload (as the replay does) over this vocabulary.
+PROMPT_VOCAB = 32768
 
 
 def load_cost_model(spec: str | Path) -> CostModel:
@@ -57,32 +60,30 @@ def load_cost_model(spec: str | Path) -> CostModel:
 def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *,
                      num_kv_blocks: int | None = None, max_model_len: int | None = None,
                      **options: Any) -> SchedulerConfig:
-    """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment.
+    """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment: the
+    same ``EngineConfig`` and ``kv_pool`` as ``LLMEngine``, with the cost model's KV bytes per token, KV memory
+    and ``max_position_embeddings`` standing for the model and device.
 
-    num_kv_blocks: ``None`` derives it, as ``LLMEngine`` does, from the cost model's KV memory
-    (``kv_cache_memory // (kv_bytes_per_token * block_size)``). max_model_len: ``None`` means the model's
+    num_kv_blocks: ``None`` derives it from the cost model's KV memory. max_model_len: ``None`` means the model's
     ``max_position_embeddings`` capped by the pool. chunk_size: ``None`` (unchunked policies) leaves the default,
-    as ``bench.build_engine``. options: further ``SchedulerConfig`` fields (``max_num_seqs``, ``block_size``, ...),
-    at their defaults when not given."""
+    as ``bench.build_engine``. options: further ``EngineConfig`` scheduler fields (``max_num_seqs``,
+    ``block_size``, ...), at their defaults when not given. Raises ``ValueError`` as the engine would."""
     if chunk_size is not None:
         options["chunk_size"] = chunk_size
-    block_size = options.setdefault("block_size", default_option("block_size"))
-    if num_kv_blocks is None:
-        if cost_model.kv_cache_memory is None or cost_model.kv_bytes_per_token is None:
-            raise ValueError("this cost model does not know the KV memory of its deployment: give num_kv_blocks")
-        num_kv_blocks = cost_model.kv_cache_memory // (cost_model.kv_bytes_per_token * block_size)
-    if max_model_len is None:
-        max_model_len = num_kv_blocks * block_size
-        if cost_model.max_position_embeddings is not None:
-            max_model_len = min(cost_model.max_position_embeddings, max_model_len)
-    return SchedulerConfig(policy=policy, num_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
+    config = EngineConfig(policy=policy, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
+    pool = config.kv_pool(kv_bytes_per_token=cost_model.kv_bytes_per_token,
+                          max_position_embeddings=cost_model.max_position_embeddings,
+                          kv_cache_memory=cost_model.kv_cache_memory)
+    return config.scheduler_config(pool.num_blocks, pool.max_model_len)
 
 
 def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *, chunk_size: int | None = None,
              record_batches: bool = False, seed: int = 0) -> BenchResult:
     """Serve ``workload`` under ``config`` on a simulated clock (seconds from 0) and return what it recorded.
 
-    Every request produces exactly its ``output_len`` tokens (as the real replay forces them). chunk_size:
+    Every request produces exactly its ``output_len`` tokens (as the real replay forces them). With prefix
+    caching, prompts are ``workload.prompt_token_ids(PROMPT_VOCAB)``, so shared prefixes hit as in a replay
+    (without, their ids do not matter and are not drawn). chunk_size:
     recorded in the configuration (default: ``config.chunk_size`` for chunked policies, else ``None``).
     record_batches: keep every iteration's ``(request_id, num_new_tokens)`` rows, as the engine's option.
     seed: of the cost model's random draws, if it makes any (``cost_model.reset(seed)`` runs first).
@@ -94,6 +95,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     scheduler = make_scheduler(config)
     metrics = MetricsRecorder(record_batches=record_batches)
     specs = workload.requests
+    prompts = workload.prompt_token_ids(PROMPT_VOCAB) if config.enable_prefix_caching else None
     no_stop: frozenset[int] = frozenset()
     start_time, predict, schedule, update = cost_model.start_time, cost_model.predict, scheduler.schedule, \
         scheduler.update
@@ -106,7 +108,8 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
         start = start_time(ready)
         while nxt < n and specs[nxt].arrival_time <= start:
             spec = specs[nxt]
-            add_request(Request(spec.request_id, [0] * spec.prompt_len, spec.output_len, no_stop, spec.arrival_time))
+            add_request(Request(spec.request_id, prompts[nxt] if prompts else [0] * spec.prompt_len,
+                                spec.output_len, no_stop, spec.arrival_time))
             add_metrics(spec.request_id, spec.arrival_time, spec.prompt_len)
             nxt += 1
         out = schedule()
