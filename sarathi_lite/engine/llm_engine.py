@@ -173,7 +173,9 @@ class LLMEngine:
         sampling = [entries[s.request_id] for s in out.scheduled if s.sample]
         banned = {e.request.request_id: e.banned for e in sampling
                   if e.banned and len(e.request.output_token_ids) < e.params.min_tokens}
-        return self.runner.execute(out, {e.request.request_id: e.params for e in sampling}, banned)
+        params = {e.request.request_id: e.params for e in sampling}
+        # banned only when some request needs it: execute(out, params) stays the call wrappers of it time
+        return self.runner.execute(out, params, banned=banned) if banned else self.runner.execute(out, params)
 
     def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
                      ) -> list[RequestOutput]:
