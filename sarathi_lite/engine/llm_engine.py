@@ -174,7 +174,7 @@ class LLMEngine:
         banned = {e.request.request_id: e.banned for e in sampling
                   if e.banned and len(e.request.output_token_ids) < e.params.min_tokens}
         params = {e.request.request_id: e.params for e in sampling}
-        # banned only when some request needs it: execute(out, params) stays the call wrappers of it time
+        # banned only when a request needs it, so code that wraps execute(out, params) to time it keeps working
         return self.runner.execute(out, params, banned=banned) if banned else self.runner.execute(out, params)
 
     def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
