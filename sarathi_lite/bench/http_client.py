@@ -51,7 +51,10 @@ def replay_http(workload: Workload, base_url: str, *, model: str | None = None, 
 
 async def _replay(workload: Workload, base_url: str, model: str | None, api_key: str | None, vocab_size: int,
                   label: str | None, continuous_usage: bool, progress: bool, timeout: float) -> BenchResult:
-    import httpx
+    try:
+        import httpx
+    except ImportError as e:
+        raise RuntimeError(f"the HTTP client needs httpx (pip install 'sarathi-lite[serve]'): {e}") from e
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

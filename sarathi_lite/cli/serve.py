@@ -19,10 +19,13 @@ DEFAULT_STATS_WINDOW = 10_000
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
+        from sarathi_lite.server import build_app
+    except ImportError as e:
+        raise RuntimeError(f"serve needs the [serve] extra (pip install 'sarathi-lite[serve]'): {e}") from e
     from sarathi_lite.engine.llm_engine import LLMEngine
-    from sarathi_lite.server import build_app
 
     apply_threads(args)
     config = engine_config(args)
