@@ -1,42 +1,19 @@
-"""``sarathi-lite``: the command line. ``generate`` runs prompts under the chunked-prefill scheduler and shows
-how each iteration mixed prefill chunks and decodes, then TTFT/TBT. ``bench`` and ``capacity`` run the serving
-benchmark (``sarathi_lite.bench_cli``); ``sim`` and ``profile`` the simulator (``sarathi_lite.sim_cli``)."""
+"""``sarathi-lite generate``: run prompts under the chunked-prefill scheduler and show how each iteration mixed
+prefill chunks and decodes, then TTFT/TBT per request."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from collections.abc import Sequence
+from typing import Any
 
-from sarathi_lite.bench_cli import add_bench_parsers
+from sarathi_lite.cli.common import add_engine_args, add_threads_arg, apply_threads, engine_config
 from sarathi_lite.metrics import IterationRecord, Stats
-from sarathi_lite.scheduler import POLICIES
-from sarathi_lite.sim_cli import add_sim_parsers
 
 DEFAULT_PROMPTS = (
     "Explain in two sentences why a long prompt can stall other users of an LLM server.",
     "Write a haiku about paged memory.",
 )
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by every subcommand that builds an engine."""
-    p.add_argument("--model", default=None, help="built-in name (default smollm2-135m) or checkpoint folder")
-    p.add_argument("--scheduler", default="sarathi", choices=POLICIES, help="batching policy")
-    p.add_argument("--chunk-size", type=int, default=256, help="token budget per iteration (chunked policies)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(scheduler=args.scheduler, chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
-                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=args.dtype,
-                device=args.device, attention_backend=args.attention_backend)
 
 
 def iteration_table(iterations: Sequence[IterationRecord]) -> str:
@@ -59,6 +36,7 @@ def iteration_table(iterations: Sequence[IterationRecord]) -> str:
 
 
 def latency_table(stats: Stats) -> str:
+    """One row per request: prompt and output tokens, TTFT, TBT p50 and max (ms)."""
     lines = [f"{'request':>8} {'prompt':>7} {'output':>7} {'TTFT ms':>8} {'TBT p50 ms':>10} {'TBT max ms':>10}"]
     for r in stats.requests:
         tbt = sorted(r.tbt)
@@ -71,9 +49,12 @@ def latency_table(stats: Stats) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from sarathi_lite import LLM, SamplingParams
+    from sarathi_lite.engine.llm import LLM
+    from sarathi_lite.engine.sampling_params import SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    apply_threads(args)
+    config = engine_config(args)
+    llm = LLM(config=config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     prompts = args.prompts or list(DEFAULT_PROMPTS)
@@ -84,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outputs):
         print(f"\n>>> {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
     stats = llm.stats()
-    print(f"\nIterations (policy {args.scheduler}, chunk_size {args.chunk_size}): one forward pass each")
+    print(f"\nIterations (policy {config.policy}, chunk_size {config.chunk_size}): one forward pass each")
     print(iteration_table(stats.iterations))
     print("\nLatency per request (request ids follow the prompts' order)")
     print(latency_table(stats))
@@ -94,34 +75,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sarathi-lite", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for prompts and show the iterations and TTFT/TBT")
+def add_generate_parser(sub: Any) -> None:
+    """Add ``generate`` to the ``sarathi-lite`` subcommands."""
+    gen = sub.add_parser("generate", help="generate text for prompts and show the iterations and TTFT/TBT",
+                         description=__doc__)
     gen.add_argument("prompts", nargs="*", help="prompts (default: two built-in ones)")
-    add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_threads_arg(gen)
+    add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    add_bench_parsers(sub)
-    add_sim_parsers(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, RuntimeError) as e:
-        print(f"sarathi-lite: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

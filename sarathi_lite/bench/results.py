@@ -1,6 +1,6 @@
 """A serving benchmark's result: what ran (configuration, workload) and what it recorded (``Stats``).
 
-Torch-free, so the real-time replay (``sarathi_lite.bench``) and a simulator produce the same object and the same
+Torch-free, so the real-time replay (``sarathi_lite.bench.replay``) and a simulator produce the same object and the same
 JSON schema. Metric definitions are those of ``sarathi_lite.metrics``; nothing here recomputes them.
 
 >>> result.summary()["tbt_p99"]              # seconds
@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.bench.workload import Workload
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.scheduler import CHUNKED_POLICIES, SchedulerConfig
-from sarathi_lite.workload import Workload
 
 SCHEMA = "sarathi-lite/bench-result/1"
 
@@ -194,10 +194,10 @@ def _cell(summary: dict[str, Any], key: str, scale: float | None, fmt: str) -> s
     return fmt.format(value * scale if scale is not None else value)
 
 
-def save_results(results: Sequence[BenchResult], out_dir: str | Path, *, plot: str | None = None) -> list[Path]:
-    """Write each result as ``<label>.json`` and its CSVs (``to_csv``), ``summary.csv`` (one row per result) and,
-    if ``plot`` names a file, ``plots.plot_results``' figure there (last); returns the paths. Labels become file
-    names with ``/`` replaced by ``_``."""
+def save_results(results: Sequence[BenchResult], out_dir: str | Path) -> list[Path]:
+    """Write each result as ``<label>.json`` and its CSVs (``to_csv``) and ``summary.csv`` (one row per result)
+    to ``out_dir``; returns the paths. Labels become file names with ``/`` replaced by ``_``. (The figure:
+    ``sarathi_lite.bench.plots.plot_results``.)"""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -208,10 +208,6 @@ def save_results(results: Sequence[BenchResult], out_dir: str | Path, *, plot: s
         paths += r.to_csv(stem)
     paths.append(out / "summary.csv")
     _write_csv(paths[-1], [r.summary() for r in results])
-    if plot:
-        from sarathi_lite.plots import plot_results
-
-        paths.append(plot_results(results, out / plot))
     return paths
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from sarathi_lite.engine.sampler import Sampler
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
 from sarathi_lite.models.llama import LlamaForCausalLM
-from sarathi_lite.sampler import Sampler
-from sarathi_lite.sampling_params import SamplingParams
 from sarathi_lite.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,12 +32,6 @@ class StepResult:
     prepare_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
-
-
-def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 class ModelRunner:

@@ -1,0 +1,119 @@
+"""``sarathi-lite bench`` and ``sarathi-lite capacity``: the serving benchmark from the command line.
+
+bench: replay a workload online under each configuration (``--policies`` x ``--chunk-sizes``), print one table,
+write JSON/CSV (and with ``--plot`` a PNG) to ``--out``; ``--cost-per-token`` times equal-size decode, hybrid
+and prefill batches instead. capacity: per policy, binary-search the highest rate (requests/s) that meets a P99
+TBT SLO and a median scheduling-delay bound.
+
+The default workload: 30 requests of the conversation trace from row 1000 (its first rows are a warm-up with
+shorter prompts), prompt and output lengths scaled by 1/4 and clipped to 1024 / 128 tokens, Poisson arrivals at
+0.5 requests/s; sarathi (at ``--chunk-size``) against vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.cli.common import (
+    add_capacity_args,
+    add_engine_args,
+    add_sweep_args,
+    add_threads_arg,
+    add_workload_args,
+    apply_threads,
+    build_workload,
+    engine_config,
+    policies,
+    save_capacity,
+    save_comparison,
+    slo_from_args,
+)
+from sarathi_lite.engine.config import EngineConfig
+
+# The fields each configuration of a comparison sets itself; the rest are shared engine options.
+_PER_CONFIGURATION = ("model", "policy", "chunk_size")
+
+
+def _shared_options(config: EngineConfig) -> dict[str, Any]:
+    """The ``LLMEngine`` options of ``config`` that every configuration of a comparison shares."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _PER_CONFIGURATION}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sarathi_lite.bench import replay
+
+    apply_threads(args)
+    config = engine_config(args)
+    if args.cost_per_token:
+        return _cost_per_token(args, config)
+    workload = build_workload(args)
+    print(f"workload: {workload.describe()}")
+    results = replay.run(workload, policies=policies(args), chunk_sizes=args.chunk_sizes or [config.chunk_size],
+                         model=config.model, progress=not args.no_progress, **_shared_options(config))
+    print(f"\n{results[0].meta['machine']}; load average {results[0].meta['load_average_start'][0]:.2f} at start")
+    save_comparison(results, args.out, plot="bench.png" if args.plot else None)
+    return 0
+
+
+def _cost_per_token(args: argparse.Namespace, config: EngineConfig) -> int:
+    from sarathi_lite.bench import replay
+
+    if config.num_kv_blocks is None:
+        config = config.replace(num_kv_blocks=replay.cost_per_token_blocks(args.cost_tokens, args.cost_context,
+                                                                           config.block_size))
+    engine = replay.build_engine(config.model, config.policy, config.chunk_size, **_shared_options(config))
+    cost = replay.cost_per_token(engine, num_tokens=args.cost_tokens, context_len=args.cost_context)
+    print(f"{cost.machine}\nbatches of {cost.num_tokens} tokens, decodes with {cost.context_len} cached tokens each")
+    print(cost.table())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost_per_token.json").write_text(json.dumps(cost.to_dict(), indent=1))
+    print(f"wrote {out / 'cost_per_token.json'}")
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from sarathi_lite.bench import replay
+
+    apply_threads(args)
+    config = engine_config(args)
+    workload = build_workload(args)
+    print(f"workload: {workload.describe()} (arrivals re-drawn per probe)")
+    slo = slo_from_args(args)
+    found = replay.capacity(workload, slo, policies=policies(args), chunk_size=config.chunk_size,
+                            qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, model=config.model,
+                            progress=not args.no_progress, **_shared_options(config))
+    save_capacity(found, args.out)
+    return 0
+
+
+def add_bench_parsers(sub: Any) -> None:
+    """Add ``bench`` and ``capacity`` to the ``sarathi-lite`` subcommands."""
+    b = sub.add_parser("bench", help="replay a workload online under several scheduler configurations",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(b)
+    add_sweep_args(b)
+    b.add_argument("--out", default="results/bench", help="folder for JSON, CSV and the plot")
+    b.add_argument("--plot", action="store_true", help="also write bench.png")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--cost-per-token", action="store_true",
+                   help="instead: time decode-only, hybrid and prefill-only batches of equal size")
+    b.add_argument("--cost-tokens", type=int, default=128, help="tokens per batch for --cost-per-token")
+    b.add_argument("--cost-context", type=int, default=128, help="cached tokens per decode for --cost-per-token")
+    add_threads_arg(b)
+    add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("capacity", help="highest rate meeting a P99 TBT SLO and a median scheduling delay bound")
+    add_workload_args(c)
+    add_sweep_args(c, chunk_sizes=False)
+    add_capacity_args(c, tbt_required=True, probes=5, probes_help="runs per policy")
+    c.add_argument("--out", default="results/capacity")
+    c.add_argument("--no-progress", action="store_true")
+    add_threads_arg(c)
+    add_engine_args(c)
+    c.set_defaults(func=cmd_capacity)
