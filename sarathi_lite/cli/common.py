@@ -136,10 +136,30 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt", type=int, default=1024, help="clip prompt lengths (tokens)")
     g.add_argument("--max-output", type=int, default=128, help="clip output lengths (tokens)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, synthetic lengths and prompt tokens")
+    g.add_argument("--long-prompts", type=_long_prompts, default=None, metavar="N:LEN[:OUT]",
+                   help="long-context traffic: N requests (drawn from the seed) get a LEN-token prompt (and OUT "
+                        "output tokens), e.g. 10:60000 among short ones")
+
+
+def _long_prompts(text: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        parts = ()
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"--long-prompts {text!r}: expected N:LEN or N:LEN:OUT")
+    return parts
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
     """The ``Workload`` of ``add_workload_args``' flags."""
+    workload = _base_workload(args)
+    if getattr(args, "long_prompts", None):
+        workload = workload.with_long_prompts(*args.long_prompts)
+    return workload
+
+
+def _base_workload(args: argparse.Namespace) -> Workload:
     qps = args.qps or None
     if args.lengths:
         return Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps, max_prompt=args.max_prompt,
