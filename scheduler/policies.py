@@ -14,7 +14,8 @@ from .output import SchedulerOutput
 class SarathiScheduler(Scheduler):
     """Stall-free hybrid batches (Sarathi-Serve). Token budget ``chunk_size``: every running decode first, then
     prompts already mid-prefill, then waiting prompts admitted in arrival order, each taking a chunk of what is
-    left. No decode waits while a prompt is prefilled."""
+    left. No decode waits while a prompt is prefilled. With ``hol_protection``, short prompts go before long
+    ones in that order (``Scheduler._schedule_prefills_protected``)."""
 
     policy = "sarathi"
     chunked = True
