@@ -5,7 +5,7 @@ Workload: rows ``--start ..`` of the Azure conversation trace with prompt and ou
 ``--prompt-scale``/``--output-scale`` and clipped to ``--max-prompt``/``--max-output`` (defaults 1/4, 1024, 128:
 this CPU runs SmolLM2-135M about two orders of magnitude slower than an A100 runs Mistral-7B), Poisson arrivals
 from ``--seed``. Chunk sizes are scaled alike: ``--chunk-size 128`` stands for the paper's 512. Every engine runs
-the paper's policies as published (``hol_protection=False``, the engine's default being on), so the ratios stay
+the paper's policies as published (``hol_protection=False``; the default is on), so the ratios stay
 comparable with the paper's and with earlier runs (``benchmarks/hol_protection.py`` measures the protection).
 
 Steps, each printed as it finishes:
@@ -15,6 +15,10 @@ Steps, each printed as it finishes:
    definition: P99 TBT within the SLO and median scheduling delay within ``--max-scheduling-delay``);
 3. at one load (``--qps``, default: the capacity found for ``sarathi``), every ``--policies`` at ``--chunk-size``
    and ``sarathi`` at every ``--chunk-sizes``.
+
+Prefix caching is off here (the paper's baselines have none): the trace's prompts share no prefix, but under a
+small pool a preempted request would find its own prefix cached and recompute less, which changes the
+comparison.
 
     python benchmarks/serving.py --threads 1        # about 31 minutes on 2 CPU cores
 
@@ -42,6 +46,8 @@ from sarathi_lite.bench.replay import build_engine, cost_per_token, machine, run
 from sarathi_lite.bench.replay import capacity as search
 from sarathi_lite.bench.results import BenchResult, compare, compare_markdown, config_label, save_results
 from sarathi_lite.bench.workload import Workload
+
+PAPER = {"enable_prefix_caching": False}  # the paper's five-policy comparison: no prefix cache
 
 
 def parse_args() -> argparse.Namespace:

@@ -39,9 +39,13 @@ class SchedulerConfig:
         prompt is long); with it, see below (``None``: ``chunk_size``).
     max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
         a long prompt that this limit holds back.
-    hol_protection: head-of-line protection for short prompts (chunked policies only). ``False``, the default
-        here, is the Sarathi-Serve paper's first-come-first-served budget filling; the engine and the CLIs turn
-        it on. With it the knobs compose into one guarantee (``HOL_ADMISSION_BOUND``): a short prompt (at most
+    enable_prefix_caching: reuse the KV blocks of a prompt prefix another request has already computed
+        (content-addressed full blocks, see ``sarathi_lite.scheduler.block_manager``): an admitted request
+        starts at the longest cached prefix and computes only the rest. On by default (greedy outputs are
+        the same either way); the paper's policy comparisons turn it off.
+    hol_protection: head-of-line protection for short prompts (chunked policies only). On by default;
+        ``False`` is the Sarathi-Serve paper's first-come-first-served budget filling, which the paper's policy
+        comparisons use. With it the knobs compose into one guarantee (``HOL_ADMISSION_BOUND``): a short prompt (at most
         ``long_threshold`` prefill tokens) is admitted in the first iteration in which it is the oldest waiting
         short prompt, no other short prompt is mid-prefill and a seat and KV blocks are free for it, whatever
         long prompts are mid-prefill or waiting. Per iteration, after the decodes: short prompts (mid-prefill,
@@ -67,7 +71,8 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
-    hol_protection: bool = False
+    enable_prefix_caching: bool = True
+    hol_protection: bool = True
     long_prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +84,8 @@ class SchedulerConfig:
                      "long_prefill_token_threshold", "long_prefill_chunk"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if not isinstance(self.hol_protection, bool):
             raise ValueError(f"hol_protection={self.hol_protection!r} must be True or False")
         if not 0.0 <= self.watermark < 1.0:

@@ -56,7 +56,8 @@ def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str | Non
     return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
             "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len,
-            "hol_protection": cfg.protects_short_prompts, "model": model, "dtype": dtype,
+            "enable_prefix_caching": cfg.enable_prefix_caching, "hol_protection": cfg.protects_short_prompts,
+            "model": model, "dtype": dtype,
             "device": device, "attention_backend": attention_backend}
 
 

@@ -51,11 +51,13 @@ class EngineConfig:
         "hol_protection, chunk_size; without, no prompt is long, and a long prompt's chunk is capped at it)")
     max_long_partial_prefills: int = _scheduler_option(
         "max_long_partial_prefills", "most long prompts mid-prefill at once")
-    # The engine's one default that differs from SchedulerConfig's: SchedulerConfig alone is the paper's policy.
-    hol_protection: bool = field(default=True, metadata={
-        "help": "head-of-line protection: short prompts are admitted past long ones mid-prefill, which keep a "
-                "share of the budget (see SchedulerConfig.hol_protection); --no-hol-protection is the "
-                "Sarathi-Serve paper's first-come-first-served policy"})
+    enable_prefix_caching: bool = _scheduler_option(
+        "enable_prefix_caching", "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs "
+        "are the same either way)")
+    hol_protection: bool = _scheduler_option(
+        "hol_protection", "head-of-line protection: short prompts are admitted past long ones mid-prefill, which "
+        "keep a share of the budget (see SchedulerConfig.hol_protection); --no-hol-protection is the "
+        "Sarathi-Serve paper's first-come-first-served policy")
     long_prefill_chunk: int | None = _scheduler_option(
         "long_prefill_chunk", "with hol_protection, most prefill tokens long prompts get in an iteration shared "
         "with decodes or short prompts (default: min(long_prefill_token_threshold, chunk_size // 4))")
