@@ -360,9 +360,12 @@ class Scheduler:
         admitted: list[Request] = []
         left = False
         for req in waiting:
+            if len(self.running) >= max_seqs:  # no seat for anyone: stop scanning
+                left = True
+                break
             if is_long(req) is not long:
                 continue
-            if used >= budget or slots <= 0 or len(self.running) >= max_seqs:
+            if used >= budget or slots <= 0:
                 left = True
                 break
             prefix = bm.match_prefix(req)  # prefix caching: cached blocks it starts from ([] without)
