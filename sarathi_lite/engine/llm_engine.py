@@ -189,7 +189,8 @@ class LLMEngine:
         banned = {e.request.request_id: e.banned for e in sampling
                   if e.banned and len(e.request.output_token_ids) < e.params.min_tokens}
         params = {e.request.request_id: e.params for e in sampling}
-        return self.runner.execute(out, params, banned=banned or None)
+        # banned only when a request needs it, so code that wraps execute(out, params) to time it keeps working
+        return self.runner.execute(out, params, banned=banned) if banned else self.runner.execute(out, params)
 
     def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
                      ) -> list[RequestOutput]:
