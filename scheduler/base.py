@@ -32,7 +32,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -69,6 +69,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_prefill_tokens = n
+        request.num_cached_tokens = request.num_committed_blocks = 0
+        request.block_hashes = []
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -83,6 +85,11 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, "abort")
         return req
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix and zero the hit counters (e.g. between benchmark runs). Blocks that
+        running requests hold stay theirs. Returns the number of cached blocks dropped."""
+        return self.block_manager.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -107,6 +114,8 @@ class Scheduler:
         finished: list[Request] = []
         max_len = self.config.max_model_len
         requests = self.requests
+        bm = self.block_manager
+        caching, bs = bm.enable_caching, bm.block_size
         for s in output.scheduled:  # check before changing anything, so a bad call leaves the state as it was
             if s.sample and sampled.get(s.request_id) is None:
                 req = requests.get(s.request_id)
@@ -118,6 +127,8 @@ class Scheduler:
             if req is None or req.status is not RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            if caching and req.num_computed_tokens >= (req.num_committed_blocks + 1) * bs:
+                bm.commit(req)  # its newly filled blocks are shareable from the next schedule() on
             if not s.sample:
                 continue
             token = sampled[s.request_id]
@@ -149,7 +160,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_committed_blocks = 0
         req.num_prefill_tokens = req.num_tokens
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -157,11 +168,22 @@ class Scheduler:
         waiting.insert(bisect.bisect_left(waiting, req.seq, key=_SEQ), req)
         out.preempted_ids.append(req.request_id)
 
+    def _start_from_prefix(self, req: Request, num_prefix_blocks: int, out: SchedulerOutput) -> None:
+        """Prefix caching: an admitted request's first ``num_prefix_blocks`` blocks are cached, so its prefill
+        starts after them; count the hit for the request (first admission), the iteration and the pool."""
+        hit = num_prefix_blocks * self.block_manager.block_size
+        req.num_computed_tokens = hit
+        req.num_committed_blocks = num_prefix_blocks
+        if not req.num_preemptions:
+            req.num_cached_tokens = hit
+        out.num_cached_tokens += hit
+        self.block_manager.record_admission(req.num_prefill_tokens, hit)
+
     def _schedule_decodes(self, out: SchedulerOutput) -> list[Request]:
         """Give every running decode its one token, preempting from the tail of ``running`` when the pool is
         out of blocks. Returns the running requests that are mid-prefill, in arrival order (not scheduled)."""
         running = self.running
-        free = self.block_manager._free
+        bm = self.block_manager
         bs = self.config.block_size
         add_row = out.scheduled.append
         prefills: list[Request] = []
@@ -176,13 +198,13 @@ class Scheduler:
                 continue
             blocks = req.block_ids
             if computed == len(blocks) * bs:
-                while not free:
+                while not bm.num_free_blocks:
                     self._preempt(running[-1], out)
                     if req.status is not RUNNING:
                         break
                 if req.status is not RUNNING:
                     break
-                blocks.append(free.pop())
+                blocks.append(bm.allocate_one())
             add_row(ScheduledRequest(req.request_id, computed, 1, [req.output_token_ids[-1]], blocks, True, False))
             num_decodes += 1
         out.num_decode_tokens += num_decodes
@@ -190,11 +212,15 @@ class Scheduler:
         return prefills
 
     def _prefill_cap(self, req: Request) -> int:
+        """Most tokens of ``req``'s prefill one chunk may take: ``long_prefill_token_threshold`` for a long prompt
+        without head-of-line protection (with it, long prompts are held to their share by the budget instead)."""
         threshold = self.config.long_prefill_token_threshold
-        return threshold if threshold is not None and req.num_prefill_tokens > threshold else req.num_prefill_tokens
+        if threshold is None or self.config.protects_short_prompts or req.num_prefill_tokens <= threshold:
+            return req.num_prefill_tokens
+        return threshold
 
     def _is_long(self, req: Request) -> bool:
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self.config.long_threshold
         return threshold is not None and req.num_prefill_tokens > threshold
 
     def _schedule_prefill_chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
@@ -218,6 +244,22 @@ class Scheduler:
             used += self._schedule_prefill_chunk(req, budget - used, out)
         return used
 
+    def _start(self, req: Request, prefix: list[int], num_blocks: int, budget: int, out: SchedulerOutput) -> int:
+        """Admit ``req`` (just taken off ``waiting``): give it the cached ``prefix`` blocks and ``num_blocks`` new
+        ones, make it running (in arrival order) and schedule its first chunk within ``budget``; returns the
+        chunk's length."""
+        bm = self.block_manager
+        req.block_ids = bm.allocate(num_blocks, prefix)
+        if bm.enable_caching:
+            self._start_from_prefix(req, len(prefix), out)
+        req.status = RUNNING
+        running = self.running
+        if not running or running[-1].seq < req.seq:
+            running.append(req)
+        else:
+            bisect.insort(running, req, key=_SEQ)
+        return self._schedule_prefill_chunk(req, budget, out)
+
     def _admit(self, budget: int, out: SchedulerOutput, num_partial: int = 0, num_long: int = 0) -> int:
         """Admit waiting requests in arrival order while the budget, ``max_num_seqs``, the partial-prefill
         limits and the block pool allow, and schedule their first chunk (their whole prompt for unchunked
@@ -237,22 +279,107 @@ class Scheduler:
             if is_long and num_long >= cfg.max_long_partial_prefills:
                 held_back.append(waiting.popleft())
                 continue
-            n = req.num_prefill_tokens
+            prefix = bm.match_prefix(req)  # prefix caching: cached blocks it starts from ([] without)
+            n = req.num_prefill_tokens - len(prefix) * bm.block_size
             if not self.chunked and n > budget - used:
                 break
-            need = bm.blocks_for(n)
-            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0):
+            need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
+            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0, prefix):
                 break
             waiting.popleft()
-            req.block_ids = bm.allocate(need)
-            req.status = RUNNING
-            running = self.running
-            if not running or running[-1].seq < req.seq:
-                running.append(req)
-            else:
-                bisect.insort(running, req, key=_SEQ)
-            used += self._schedule_prefill_chunk(req, budget - used, out)
+            used += self._start(req, prefix, need, budget - used, out)
             num_partial += 1
             num_long += is_long
         waiting.extendleft(reversed(held_back))
         return used
+
+    def _schedule_prefills(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
+        """Continue the prompts mid-prefill (``prefills``, in arrival order) and admit waiting ones within
+        ``budget`` tokens: first come, first served (the paper's policy), or with head-of-line protection
+        (``_schedule_prefills_protected``). Returns tokens used."""
+        if self.config.protects_short_prompts:
+            return self._schedule_prefills_protected(prefills, budget, out)
+        used = self._schedule_partial_prefills(prefills, budget, out)
+        if budget - used > 0:
+            used += self._admit(budget - used, out, num_partial=len(prefills),
+                                num_long=sum(map(self._is_long, prefills)))
+        return used
+
+    def _schedule_prefills_protected(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
+        """Head-of-line protection (``SchedulerConfig.hol_protection``): short prompts first, long ones after.
+
+        1. Keep a share of ``budget`` for the long prompts mid-prefill: ``min(long_chunk, budget // 2, what
+           they still need)``, so they progress every iteration; at least half is always the short prompts'.
+        2. Short prompts mid-prefill, then waiting short prompts in arrival order (passing waiting long ones)
+           fill the rest, then waiting long prompts whose whole prefill fits what is left (they finish their
+           prefill in this iteration, so they never hold a long slot). Together they hold every partial-prefill
+           slot the long prompts do not (at least one).
+        3. Long prompts mid-prefill, then waiting long ones (at most ``max(max_num_partial_prefills - 1, 1)``
+           and ``max_long_partial_prefills`` mid-prefill at once) take what is left: all of it in an iteration
+           of their own, at most ``long_chunk`` tokens in one shared with decodes or short prompts, so those
+           iterations stay about as fast as the others.
+
+        So the oldest waiting short prompt is admitted in this iteration whenever no other short prompt is
+        mid-prefill and a seat and KV blocks are free for it: nothing a long prompt holds keeps it out
+        (``HOL_ADMISSION_BOUND``). Returns tokens used."""
+        cfg = self.config
+        is_long = self._is_long
+        longs = [r for r in prefills if is_long(r)]
+        shorts = [r for r in prefills if not is_long(r)]
+        max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
+        long_chunk = cfg.long_chunk
+        share = 0
+        if longs:
+            share = min(long_chunk, budget // 2, sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
+        short_budget = budget - share
+        used = self._schedule_partial_prefills(shorts, short_budget, out)
+        short_slots = max(max_partial - len(longs), 1)
+        used, slots, short_left = self._admit_lane(short_budget, used, short_slots - len(shorts), out, long=False)
+        used, slots, _ = self._admit_lane(short_budget, used, slots, out, long=True, whole=True)
+        lane = budget - used if out.is_empty else min(budget - used, long_chunk)
+        lane_used = self._schedule_partial_prefills(longs, lane, out)
+        if not short_left:  # a long prompt never takes a seat or blocks from a short one left waiting
+            long_slots = min(cfg.max_long_partial_prefills - len(longs), max(max_partial - 1, 1) - len(longs),
+                             max_partial - len(longs) - (short_slots - slots))
+            lane_used, _, _ = self._admit_lane(lane, lane_used, long_slots, out, long=True)
+        return used + lane_used
+
+    def _admit_lane(self, budget: int, used: int, slots: int, out: SchedulerOutput, *, long: bool,
+                    whole: bool = False) -> tuple[int, int, bool]:
+        """Admit waiting prompts of one class (long or short) in arrival order, passing over the other class,
+        while ``used`` (tokens) stays below ``budget`` and ``slots`` partial-prefill slots and the seats allow,
+        and schedule their first chunk. whole: admit only long prompts whose whole prefill fits the budget left,
+        passing over one the pool cannot take (a later, shorter one may fit). Returns ``used`` and ``slots``
+        updated, and whether a prompt of the class was left waiting for want of budget, a slot, a seat or
+        blocks."""
+        cfg = self.config
+        bm = self.block_manager
+        is_long = self._is_long
+        waiting = self.waiting
+        max_seqs = cfg.max_running
+        admitted: list[Request] = []
+        left = False
+        for req in waiting:
+            if len(self.running) >= max_seqs:  # no seat for anyone: stop scanning
+                left = True
+                break
+            if is_long(req) is not long:
+                continue
+            if used >= budget or slots <= 0:
+                left = True
+                break
+            prefix = bm.match_prefix(req)  # prefix caching: cached blocks it starts from ([] without)
+            if whole and req.num_prefill_tokens - len(prefix) * bm.block_size > budget - used:
+                continue
+            need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
+            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0, prefix):
+                if whole:
+                    continue
+                left = True
+                break
+            admitted.append(req)
+            used += self._start(req, prefix, need, budget - used, out)
+            slots -= 1
+        for req in admitted:
+            waiting.remove(req)
+        return used, slots, left
