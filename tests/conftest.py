@@ -14,7 +14,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_la
 
 
 def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of ``kind`` (llama | llama3 | llama_hd64 | mistral | qwen2) as a safetensors checkpoint."""
+    """Save a tiny random model of ``kind`` (llama | llama3 | llama_hd64 | mistral | qwen2) as safetensors."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
