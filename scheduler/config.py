@@ -17,7 +17,10 @@ class SchedulerConfig:
 
     policy: one of ``POLICIES``. ``sarathi`` (stall-free hybrid batches) is the default; the others are the
         baselines of the Sarathi-Serve paper (see ``sarathi_lite.scheduler.policies``).
-    chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``).
+    chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``),
+        or ``"auto"``: each iteration's prefill budget chosen by a step-time predictor so the predicted step
+        takes at most ``tbt_slo * budget_safety`` seconds (``sarathi_lite.scheduler.budget``), with at most
+        ``max_num_batched_tokens`` tokens in all.
     max_num_seqs: most requests running (holding KV blocks) at once; never more than the token budget, so a
         decode-only iteration always fits the budget (see ``max_running``).
     max_num_batched_tokens: the token budget of one iteration for the unchunked policies (``vllm``, ``orca``,
@@ -34,10 +37,15 @@ class SchedulerConfig:
         chunk per iteration is capped at this many tokens (``None``: no prompt is long).
     max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
         a long prompt that this limit holds back.
+    tbt_slo: with ``chunk_size="auto"`` (and only then, where it is required): the time-between-tokens target,
+        seconds per iteration.
+    budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take, in (0, 1].
+    min_chunk_size: with ``chunk_size="auto"``: prefill tokens granted every iteration a prompt waits, even
+        when the predicted step then exceeds the target (rounded up to whole blocks), so prefill never starves.
     """
 
     policy: str = "sarathi"
-    chunk_size: int = 512
+    chunk_size: int | str = 512
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     max_model_len: int = 4096
@@ -47,16 +55,23 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
+    tbt_slo: float | None = None
+    budget_safety: float = 0.9
+    min_chunk_size: int = 32
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("chunk_size", "max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills"):
+        if self.chunk_size != "auto":
+            _check_positive_int("chunk_size", self.chunk_size)
+        for name in ("max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills",
+                     "min_chunk_size"):
             _check_positive_int(name, getattr(self, name))
         for name in ("max_num_batched_tokens", "num_blocks", "max_num_partial_prefills",
                      "long_prefill_token_threshold"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        self._check_auto_budget()
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
         if self.max_num_batched_tokens is None:
@@ -72,8 +87,16 @@ class SchedulerConfig:
 
     @property
     def token_budget(self) -> int:
-        """Tokens one iteration may hold: ``chunk_size`` for chunked policies, else ``max_num_batched_tokens``."""
-        return self.chunk_size if self.policy in CHUNKED_POLICIES else self.max_num_batched_tokens
+        """Tokens one iteration may hold: ``chunk_size`` for chunked policies (``max_num_batched_tokens`` when it is
+        ``"auto"``), else ``max_num_batched_tokens``."""
+        if self.policy in CHUNKED_POLICIES and not self.auto_budget:
+            return self.chunk_size
+        return self.max_num_batched_tokens
+
+    @property
+    def auto_budget(self) -> bool:
+        """Whether each iteration's budget comes from a step-time predictor (``chunk_size="auto"``)."""
+        return self.chunk_size == "auto"
 
     @property
     def max_running(self) -> int:
@@ -83,6 +106,22 @@ class SchedulerConfig:
     @property
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.num_blocks)
+
+    def _check_auto_budget(self) -> None:
+        if not self.auto_budget:
+            if self.tbt_slo is not None:
+                raise ValueError(f"tbt_slo={self.tbt_slo!r} applies only to chunk_size='auto' "
+                                 f"(chunk_size={self.chunk_size!r})")
+            return
+        if self.policy not in CHUNKED_POLICIES:
+            raise ValueError(f"chunk_size='auto' needs a chunked policy ({', '.join(CHUNKED_POLICIES)}), "
+                             f"not {self.policy!r}")
+        slo = self.tbt_slo
+        if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not math.isfinite(slo) or slo <= 0:
+            raise ValueError(f"tbt_slo={slo!r} must be a positive number of seconds with chunk_size='auto'")
+        safety = self.budget_safety
+        if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not 0 < safety <= 1:
+            raise ValueError(f"budget_safety={safety!r} must be in (0, 1]")
 
 
 def _check_positive_int(name: str, value: object) -> None:

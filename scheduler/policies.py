@@ -7,15 +7,17 @@ prompts mid-prefill, admit waiting prompts.
 from __future__ import annotations
 
 from .base import Scheduler
+from .budget import StepTimePredictor
 from .config import SchedulerConfig
 from .output import SchedulerOutput
 from .request import Request
 
 
 class SarathiScheduler(Scheduler):
-    """Stall-free hybrid batches (Sarathi-Serve). Token budget ``chunk_size``: every running decode first, then
-    prompts already mid-prefill, then waiting prompts admitted in arrival order, each taking a chunk of what is
-    left. No decode waits while a prompt is prefilled."""
+    """Stall-free hybrid batches (Sarathi-Serve). Token budget ``chunk_size`` (or, with ``"auto"``, chosen each
+    iteration: ``Scheduler._prefill_budget``): every running decode first, then prompts already mid-prefill,
+    then waiting prompts admitted in arrival order, each taking a chunk of what is left. No decode waits while a
+    prompt is prefilled."""
 
     policy = "sarathi"
     chunked = True
@@ -23,7 +25,7 @@ class SarathiScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         prefills = self._schedule_decodes(out)
-        budget = self.config.chunk_size - out.num_decode_tokens
+        budget = self._prefill_budget(out, prefills)
         budget -= self._schedule_partial_prefills(prefills, budget, out)
         if budget > 0:
             num_long = sum(map(self._is_long, prefills))
@@ -84,8 +86,8 @@ class SimpleChunkingScheduler(Scheduler):
     policy = "simple_chunking"
     chunked = True
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None) -> None:
+        super().__init__(config, predictor)
         self._last_was_prefill = False
 
     def schedule(self) -> SchedulerOutput:
@@ -102,7 +104,7 @@ class SimpleChunkingScheduler(Scheduler):
         return out
 
     def _schedule_prefills(self, prefills: list[Request], out: SchedulerOutput) -> None:
-        budget = self.config.chunk_size
+        budget = self._prefill_budget(out, prefills)
         budget -= self._schedule_partial_prefills(prefills, budget, out)
         if budget > 0:
             self._admit(budget, out, num_partial=len(prefills), num_long=sum(map(self._is_long, prefills)))
@@ -114,7 +116,9 @@ _POLICY_CLASSES: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: SchedulerConfig | None = None) -> Scheduler:
-    """The scheduler for ``config.policy`` (default: ``SchedulerConfig()``, the ``sarathi`` policy)."""
+def make_scheduler(config: SchedulerConfig | None = None, predictor: StepTimePredictor | None = None) -> Scheduler:
+    """The scheduler for ``config.policy`` (default: ``SchedulerConfig()``, the ``sarathi`` policy).
+
+    predictor: the step-time model ``chunk_size="auto"`` needs (see ``sarathi_lite.scheduler.budget``)."""
     config = config or SchedulerConfig()
-    return _POLICY_CLASSES[config.policy](config)
+    return _POLICY_CLASSES[config.policy](config, predictor)
