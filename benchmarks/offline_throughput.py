@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 
 from sarathi_lite import LLM, SamplingParams
+from sarathi_lite.bench.traces import trace_label, trace_path
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "splitwise_conv.csv"
 
-
-def load_rows(path: Path, n: int, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
-    with open(path) as f:
+def load_rows(trace: str, n: int, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
+    with open(trace_path(trace)) as f:
         rows = list(csv.DictReader(f))[:n]
     return [(min(int(r["num_prefill_tokens"]), max_prompt), min(int(r["num_decode_tokens"]), max_output))
             for r in rows]
@@ -91,7 +90,7 @@ def run_hf(path: Path, prompts: list[list[int]], outputs: list[int], batch: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", default="conversation", help="built-in trace name or CSV path")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=128)
@@ -116,7 +115,7 @@ def main() -> None:
     hf = None if args.skip_hf else run_hf(llm.engine.model_path, prompts, outputs, args.hf_batch,
                                           llm.engine.device, llm.engine.dtype, args.load_format == "dummy")
     print(f"\n{len(rows)} requests, {sum(map(len, prompts))} prompt + {sum(outputs)} output tokens "
-          f"({args.trace.name}, prompts <= {args.max_prompt}, outputs <= {args.max_output}, EOS ignored)")
+          f"({trace_label(args.trace)}, prompts <= {args.max_prompt}, outputs <= {args.max_output}, EOS ignored)")
     print(f"{'system':<34} {'time s':>8} {'out tok/s':>10} {'all tok/s':>10}")
     label = f"sarathi-lite {args.scheduler} chunk {args.chunk_size}"
     print(f"{label:<34} {ours['elapsed_s']:>8.1f} {ours['output_tokens_per_s']:>10.1f} "

@@ -34,21 +34,19 @@ from typing import Any
 
 import torch
 
-from sarathi_lite.bench import build_engine, cost_per_token, machine, run, warm_up
-from sarathi_lite.bench import capacity as search
-from sarathi_lite.capacity import SLO, CapacityResult
-from sarathi_lite.plots import plot_capacity, plot_results
-from sarathi_lite.results import BenchResult, compare, compare_markdown, config_label, save_results
-from sarathi_lite.workload import Workload
-
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "splitwise_conv.csv"
+from sarathi_lite.bench.capacity import SLO, CapacityResult
+from sarathi_lite.bench.plots import plot_capacity, plot_results
+from sarathi_lite.bench.replay import build_engine, cost_per_token, machine, run, warm_up
+from sarathi_lite.bench.replay import capacity as search
+from sarathi_lite.bench.results import BenchResult, compare, compare_markdown, config_label, save_results
+from sarathi_lite.bench.workload import Workload
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", default="conversation", help="built-in trace name or CSV path")
     ap.add_argument("--start", type=int, default=1000, help="first trace row (the first rows are its warm-up)")
     ap.add_argument("--num-requests", type=int, default=50, help="requests of the comparison runs")
     ap.add_argument("--capacity-requests", type=int, default=30, help="requests of each capacity probe")
@@ -133,7 +131,7 @@ def checks(by_label: dict[str, BenchResult], sweep: list[BenchResult], found: li
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("sarathi_lite.bench", "sarathi_lite.capacity"):  # each run's and each probe's outcome
+    for name in ("sarathi_lite.bench.replay", "sarathi_lite.bench.capacity"):  # each run's and each probe's outcome
         logging.getLogger(name).setLevel(logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)

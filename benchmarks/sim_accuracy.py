@@ -41,15 +41,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from sarathi_lite import bench, sim
-from sarathi_lite.cost_model import ProfiledCostModel, ReplayCostModel, batch_terms
-from sarathi_lite.engine import LLMEngine
-from sarathi_lite.profiler import BatchShape, time_outputs
-from sarathi_lite.results import BenchResult, config_label, save_results
+from sarathi_lite.bench import replay as bench
+from sarathi_lite.bench.results import BenchResult, config_label, save_results
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
-from sarathi_lite.workload import Workload
+from sarathi_lite.sim import simulator as sim
+from sarathi_lite.sim.cost_model import ProfiledCostModel, ReplayCostModel, batch_terms
+from sarathi_lite.sim.profiler import BatchShape, time_outputs
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "splitwise_conv.csv"
 METRICS = (  # name, summary key, scale, unit, format
     ("TTFT p50", "ttft_p50", 1.0, "s", "{:.2f}"), ("TTFT p99", "ttft_p99", 1.0, "s", "{:.2f}"),
     ("TBT p50", "tbt_p50", 1e3, "ms", "{:.0f}"), ("TBT p99", "tbt_p99", 1e3, "ms", "{:.0f}"),
@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile", type=Path, required=True, help="cost model from sarathi-lite profile")
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (as in the profile)")
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", default="conversation", help="built-in trace name or CSV path")
     ap.add_argument("--start", type=int, default=2000)
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--qps", type=float, default=0.4)

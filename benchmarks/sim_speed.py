@@ -22,18 +22,17 @@ import os
 import time
 from pathlib import Path
 
-from sarathi_lite import sim
-from sarathi_lite.capacity import SLO
-from sarathi_lite.results import host
-from sarathi_lite.workload import Workload
+from sarathi_lite.bench.capacity import SLO
+from sarathi_lite.bench.results import host
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.sim import simulator as sim
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "splitwise_conv.csv"
 CHUNK_SIZES = (128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", default="conversation", help="built-in trace name or CSV path")
     ap.add_argument("--cost-model", default="roofline:h100:llama3-8b")
     ap.add_argument("--num-requests", type=int, default=10_000)
     ap.add_argument("--sweep-requests", type=int, default=2_000)

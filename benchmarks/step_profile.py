@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from sarathi_lite import LLMEngine, SamplingParams
+from sarathi_lite.bench.traces import trace_path
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "splitwise_conv.csv"
 PARTS = ("schedule", "prepare", "forward", "sample", "update")
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", default="conversation", help="built-in trace name or CSV path")
     ap.add_argument("--torch-profile", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("results/step_profile.json"))
     args = ap.parse_args()
@@ -42,7 +42,7 @@ def main() -> None:
     import csv
     import random
 
-    with open(args.trace) as f:
+    with open(trace_path(args.trace)) as f:
         rows = list(csv.DictReader(f))[:args.num_requests]
     engine = LLMEngine(args.model, chunk_size=args.chunk_size, max_num_seqs=args.num_requests, dtype=args.dtype)
     rng = random.Random(0)

@@ -15,10 +15,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "sarathi_lite.llm",
-    "LLMEngine": "sarathi_lite.engine",
-    "SamplingParams": "sarathi_lite.sampling_params",
-    "RequestOutput": "sarathi_lite.outputs",
+    "LLM": "sarathi_lite.engine.llm",
+    "LLMEngine": "sarathi_lite.engine.llm_engine",
+    "EngineConfig": "sarathi_lite.engine.config",
+    "SamplingParams": "sarathi_lite.engine.sampling_params",
+    "RequestOutput": "sarathi_lite.engine.outputs",
     "RequestMetrics": "sarathi_lite.metrics",
     "IterationRecord": "sarathi_lite.metrics",
     "Stats": "sarathi_lite.metrics",

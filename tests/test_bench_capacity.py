@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sarathi_lite.capacity import SLO, search_capacity
+from sarathi_lite.bench.capacity import SLO, search_capacity
+from sarathi_lite.bench.results import BenchResult
+from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.metrics import RequestMetrics, Stats
-from sarathi_lite.results import BenchResult
-from sarathi_lite.workload import RequestSpec, Workload
 
 
 def fake_result(qps: float, tbt: float, delay: float) -> BenchResult:
@@ -84,7 +84,7 @@ def test_capacity_result_serializes_without_the_runs():
 
 
 def test_capacity_plot_writes_a_png(tmp_path):
-    from sarathi_lite.plots import plot_capacity
+    from sarathi_lite.bench.plots import plot_capacity
 
     found = [search_capacity(FakeRunner(cap), SLO(0.3), 0.5, 2.0, num_probes=4, label=f"c{cap}") for cap in (1, 3)]
     data = plot_capacity(found, tmp_path / "capacity.png").read_bytes()

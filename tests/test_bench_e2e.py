@@ -9,11 +9,11 @@ import json
 import pytest
 
 from sarathi_lite import LLMEngine, SamplingParams
-from sarathi_lite import engine as engine_module
-from sarathi_lite.bench import configurations, cost_per_token, run
+from sarathi_lite.bench.replay import configurations, cost_per_token, run
+from sarathi_lite.bench.results import BenchResult
+from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli import main
-from sarathi_lite.results import BenchResult
-from sarathi_lite.workload import Workload
+from sarathi_lite.engine import llm_engine as engine_module
 
 ENGINE = dict(block_size=4, num_kv_blocks=512, device="cpu")
 

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from sarathi_lite.bench.results import BenchResult, compare, compare_markdown, save_results
+from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.metrics import MetricsRecorder, Stats
-from sarathi_lite.results import BenchResult, compare, compare_markdown, save_results
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
-from sarathi_lite.workload import RequestSpec, Workload
 
 
 def chunk(rid: str, computed: int, n: int, sample: bool) -> ScheduledRequest:
@@ -167,7 +167,7 @@ def test_save_results_writes_json_csv_and_a_summary(tmp_path):
 
 
 def test_plot_writes_a_png(tmp_path):
-    from sarathi_lite.plots import plot_results
+    from sarathi_lite.bench.plots import plot_results
 
     a, b = result(), result()
     b.config = {"policy": "vllm", "chunk_size": None}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
+from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.cli import main
-from sarathi_lite.cost_model import TERMS, ProfiledCostModel
-from sarathi_lite.results import BenchResult
+from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel
 
 WORKLOAD = ["--lengths", "uniform:8-60:2-12", "--num-requests", "12", "--qps", "20"]
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sarathi_lite.config import ModelConfig
-from sarathi_lite.cost_model import (
+from sarathi_lite.metrics import IterationRecord
+from sarathi_lite.models.config import ModelConfig
+from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+from sarathi_lite.sim.cost_model import (
     TERMS,
     ProfiledCostModel,
     ReplayCostModel,
@@ -20,10 +22,8 @@ from sarathi_lite.cost_model import (
     nnls,
     token_basis,
 )
-from sarathi_lite.metrics import IterationRecord
-from sarathi_lite.roofline import HARDWARE, MODEL_SHAPES, RooflineCostModel, _keys_seen, model_shape, roofline
-from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
-from sarathi_lite.sim import load_cost_model
+from sarathi_lite.sim.roofline import HARDWARE, MODEL_SHAPES, RooflineCostModel, _keys_seen, model_shape, roofline
+from sarathi_lite.sim.simulator import load_cost_model
 
 REPO = Path(__file__).resolve().parents[1]
 

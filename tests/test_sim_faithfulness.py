@@ -1,6 +1,6 @@
 """The simulator runs the engine's own scheduler, so it makes the engine's decisions.
 
-Against real replays (``sarathi_lite.bench.run``) of a tiny model, every policy:
+Against real replays (``sarathi_lite.bench.replay.run``) of a tiny model, every policy:
 
 - all requests at once: timing cannot change any decision, so any cost model gives the real batch sequence;
 - online arrivals: replaying the real run's measured step times (``ReplayCostModel``) gives the real batch
@@ -18,15 +18,15 @@ import time
 import pytest
 import torch
 
-from sarathi_lite import bench
-from sarathi_lite.cost_model import ProfiledCostModel, ReplayCostModel
-from sarathi_lite.model_runner import ModelRunner
-from sarathi_lite.results import BenchResult
-from sarathi_lite.roofline import roofline
+from sarathi_lite.bench import replay as bench
+from sarathi_lite.bench.results import BenchResult
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.engine.model_runner import ModelRunner
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
-from sarathi_lite.sim import run as sim_run
-from sarathi_lite.sim import simulate
-from sarathi_lite.workload import Workload
+from sarathi_lite.sim.cost_model import ProfiledCostModel, ReplayCostModel
+from sarathi_lite.sim.roofline import roofline
+from sarathi_lite.sim.simulator import run as sim_run
+from sarathi_lite.sim.simulator import simulate
 
 ENGINE = dict(block_size=4, num_kv_blocks=30, device="cpu")  # 120 token slots: the offline run preempts
 CHUNK = 16

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sarathi_lite.workload import RequestSpec, Workload, parse_lengths, poisson_arrivals
+from sarathi_lite.bench.workload import RequestSpec, Workload, parse_lengths, poisson_arrivals
 
 ROWS = [(10.0, 400, 50), (12.5, 90, 7), (13.0, 2000, 300), (20.0, 1, 1), (21.0, 640, 129)]
 
@@ -159,13 +159,28 @@ def test_request_specs_are_sorted_and_validated():
 
 
 def test_the_conversation_trace_scaled_for_a_cpu():
-    path = Path(__file__).resolve().parents[2] / "shared" / "traces" / "splitwise_conv.csv"
-    if not path.is_file():
-        pytest.skip("shared/traces/splitwise_conv.csv is not next to this checkout")
-    w = Workload.from_trace(path, num_requests=200, prompt_scale=0.25, output_scale=0.25, max_prompt=256,
+    w = Workload.from_trace("conversation", num_requests=200, prompt_scale=0.25, output_scale=0.25, max_prompt=256,
                             max_output=64)
     assert len(w) == 200 and max(p for p, _ in lengths(w)) == 256 and max(o for _, o in lengths(w)) <= 64
     assert 1 < w.qps < 10  # the production trace's own arrival rate, a few requests per second
+    assert w.source["trace"] == "conversation"
+
+
+def test_built_in_traces_ship_with_the_package_and_paths_still_work(tmp_path, monkeypatch):
+    arxiv = Workload.from_trace("arxiv", num_requests=50, qps=2.0)
+    assert len(arxiv) == 50 and arxiv.source["arrivals"] == "poisson"
+    assert sum(p for p, _ in lengths(arxiv)) / 50 > 1000  # arXiv prompts are long
+    csv_file = tmp_path / "mine.csv"
+    csv_file.write_text("num_prefill_tokens,num_decode_tokens\n10,3\n20,4\n")
+    mine = Workload.from_trace(csv_file)
+    assert lengths(mine) == [(10, 3), (20, 4)] and mine.source["trace"] == "mine.csv"
+    with pytest.raises(ValueError, match="'nope' is neither a built-in trace"):
+        Workload.from_trace("nope")
+    override = tmp_path / "traces"
+    override.mkdir()
+    (override / "arxiv.csv").write_text("num_prefill_tokens,num_decode_tokens\n7,2\n")
+    monkeypatch.setenv("SARATHI_LITE_TRACES", str(override))
+    assert lengths(Workload.from_trace("arxiv")) == [(7, 2)]
 
 
 def test_check_fits_names_the_requests_that_exceed_max_model_len():

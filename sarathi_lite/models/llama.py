@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sarathi_lite.config import ModelConfig
 from sarathi_lite.kernels import AttentionBackend, RotaryEmbedding, fused_add_rms_norm, rms_norm, silu_and_mul
+from sarathi_lite.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from sarathi_lite.config import ModelConfig
+from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

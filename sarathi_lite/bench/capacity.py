@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sarathi_lite.results import BenchResult
+from sarathi_lite.bench.results import BenchResult
 
 logger = logging.getLogger(__name__)
 

@@ -14,29 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from sarathi_lite.scheduler import POLICIES
 
-TRACES_ENV = "SARATHI_LITE_TRACES"
-DEFAULT_TRACE_NAME = "splitwise_conv.csv"
-
-
-def default_trace() -> Path | None:
-    """The conversation trace: in ``$SARATHI_LITE_TRACES``, else in ``shared/traces`` next to the checkout."""
-    folder = os.environ.get(TRACES_ENV)
-    candidates = [Path(folder)] if folder else []
-    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "traces")
-    return next((c / DEFAULT_TRACE_NAME for c in candidates if (c / DEFAULT_TRACE_NAME).is_file()), None)
-
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload options shared by ``bench`` and ``capacity``."""
     g = p.add_argument_group("workload")
-    g.add_argument("--trace", type=Path, default=None,
-                   help=f"trace CSV (default: {DEFAULT_TRACE_NAME} from ${TRACES_ENV} or shared/traces)")
+    g.add_argument("--trace", default="conversation",
+                   help="a built-in trace (conversation, arxiv) or the path of a trace CSV")
     g.add_argument("--lengths", default=None,
                    help="synthetic lengths instead of a trace: fixed:P:O | uniform:PMIN-PMAX:OMIN-OMAX | "
                         "zipf:PMIN-PMAX:OMIN-OMAX[:THETA]")
@@ -56,16 +44,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args: argparse.Namespace) -> Any:
-    from sarathi_lite.workload import Workload
+    from sarathi_lite.bench.workload import Workload
 
     qps = args.qps or None
     if args.lengths:
         return Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps, max_prompt=args.max_prompt,
                                   max_output=args.max_output, seed=args.seed)
-    trace = args.trace or default_trace()
-    if trace is None:
-        raise ValueError(f"no trace found: give --trace CSV, set ${TRACES_ENV}, or use --lengths")
-    return Workload.from_trace(trace, num_requests=args.num_requests, start=args.start, qps=qps,
+    return Workload.from_trace(args.trace, num_requests=args.num_requests, start=args.start, qps=qps,
                                time_scale=args.time_scale, prompt_scale=args.prompt_scale,
                                output_scale=args.output_scale, max_prompt=args.max_prompt,
                                max_output=args.max_output, seed=args.seed)
@@ -101,8 +86,8 @@ def _policies(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from sarathi_lite import bench
-    from sarathi_lite.results import compare, save_results
+    from sarathi_lite.bench import replay as bench
+    from sarathi_lite.bench.results import compare, save_results
 
     if args.cost_per_token:
         return _cost_per_token(args)
@@ -118,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cost_per_token(args: argparse.Namespace) -> int:
-    from sarathi_lite import bench
+    from sarathi_lite.bench import replay as bench
 
     options = _engine_options(args)
     if options["num_kv_blocks"] is None:
@@ -135,7 +120,7 @@ def _cost_per_token(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from sarathi_lite import bench
+    from sarathi_lite.bench import replay as bench
 
     workload = build_workload(args)
     print(f"workload: {workload.describe()} (arrivals re-drawn per probe)")
@@ -158,7 +143,7 @@ def add_capacity_args(g: Any, *, tbt_required: bool, probes: int, probes_help: s
 
 def slo_from_args(args: argparse.Namespace) -> Any:
     """The ``SLO`` of ``add_capacity_args``' flags, printed."""
-    from sarathi_lite.capacity import SLO
+    from sarathi_lite.bench.capacity import SLO
 
     slo = SLO(args.tbt_slo, args.max_scheduling_delay)
     print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
@@ -174,7 +159,7 @@ def save_capacity(found: list[Any], out_dir: str | Path, *, plot: bool = False) 
     (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
     written = [out / "capacity.json"]
     if plot:
-        from sarathi_lite.plots import plot_capacity
+        from sarathi_lite.bench.plots import plot_capacity
 
         written.append(plot_capacity(found, out / "capacity.png"))
     print(f"wrote {', '.join(map(str, written))}")

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.engine import LLMEngine
+from sarathi_lite.engine.llm_engine import LLMEngine
+from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import Stats
-from sarathi_lite.outputs import RequestOutput
-from sarathi_lite.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]

@@ -14,8 +14,8 @@ The simulator drives the very classes the engine uses (``sarathi_lite.scheduler`
 It returns the same ``BenchResult`` (and JSON schema) as the real-time replay, with ``meta["replay"] ==
 "simulated"``, so predicted and measured runs compare column by column and plot alike.
 
->>> from sarathi_lite.sim import load_cost_model, run
->>> from sarathi_lite.workload import Workload
+>>> from sarathi_lite.sim.simulator import load_cost_model, run
+>>> from sarathi_lite.bench.workload import Workload
 >>> wl = Workload.from_trace("splitwise_conv.csv", num_requests=1000, qps=2.0)
 >>> results = run(wl, load_cost_model("roofline:h100:llama3-8b"), policies=["sarathi", "vllm"],
 ...               chunk_sizes=[256, 512, 1024])
@@ -29,13 +29,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
-from sarathi_lite.cost_model import CostModel, ProfiledCostModel
+from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
+from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
+from sarathi_lite.bench.workload import Workload
 from sarathi_lite.metrics import MetricsRecorder
-from sarathi_lite.results import BenchResult, config_label, configurations, host, run_config
-from sarathi_lite.roofline import roofline
 from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, make_scheduler
-from sarathi_lite.workload import Workload
+from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
+from sarathi_lite.sim.roofline import roofline
 
 ROOFLINE_PREFIX = "roofline:"
 

@@ -1,7 +1,7 @@
 """Step-time cost models: how long one iteration takes, predicted from its ``SchedulerOutput`` alone.
 
-Torch-free (numpy only), so the simulator (``sarathi_lite.sim``) runs anywhere. Every model answers the same two
-questions the real engine's clock answers:
+Torch-free (numpy only), so the simulator (``sarathi_lite.sim.simulator``) runs anywhere. Every model answers
+the same two questions the real engine's clock answers:
 
 - ``predict(out)``: the iteration's ``schedule_time`` (step start to the end of ``schedule()``) and
   ``step_time`` (step start to end: scheduling, input preparation, the forward pass, sampling and ``update``),
@@ -15,8 +15,8 @@ Models:
 
 - ``ProfiledCostModel``: the dense layers' measured cost curve over the batch's tokens plus a few physical
   per-request terms (``TERMS``); ``sarathi-lite profile`` fits one to this machine's model runner
-  (``sarathi_lite.profiler``) and saves it as a small JSON file;
-- ``RooflineCostModel`` (``sarathi_lite.roofline``): a model's shape on a hardware description;
+  (``sarathi_lite.sim.profiler``) and saves it as a small JSON file;
+- ``RooflineCostModel`` (``sarathi_lite.sim.roofline``): a model's shape on a hardware description;
 - ``ReplayCostModel``: the measured timeline of a real run, replayed step by step (faithfulness checks).
 """
 

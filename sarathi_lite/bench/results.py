@@ -1,6 +1,6 @@
 """A serving benchmark's result: what ran (configuration, workload) and what it recorded (``Stats``).
 
-Torch-free, so the real-time replay (``sarathi_lite.bench``) and a simulator produce the same object and the same
+Torch-free, so the real-time replay (``sarathi_lite.bench.replay``) and a simulator produce the same object and the same
 JSON schema. Metric definitions are those of ``sarathi_lite.metrics``; nothing here recomputes them.
 
 >>> result.summary()["tbt_p99"]              # seconds
@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.bench.workload import Workload
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.scheduler import CHUNKED_POLICIES, SchedulerConfig
-from sarathi_lite.workload import Workload
 
 SCHEMA = "sarathi-lite/bench-result/1"
 
@@ -209,7 +209,7 @@ def save_results(results: Sequence[BenchResult], out_dir: str | Path, *, plot: s
     paths.append(out / "summary.csv")
     _write_csv(paths[-1], [r.summary() for r in results])
     if plot:
-        from sarathi_lite.plots import plot_results
+        from sarathi_lite.bench.plots import plot_results
 
         paths.append(plot_results(results, out / plot))
     return paths

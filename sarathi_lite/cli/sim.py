@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sarathi_lite.bench_cli import (
+from sarathi_lite.cli.bench import (
     _csv,
     _policies,
     add_capacity_args,
@@ -25,8 +25,8 @@ from sarathi_lite.bench_cli import (
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from sarathi_lite import sim
-    from sarathi_lite.results import compare, save_results
+    from sarathi_lite.bench.results import compare, save_results
+    from sarathi_lite.sim import simulator as sim
 
     cost_model = sim.load_cost_model(args.cost_model)
     workload = build_workload(args)
@@ -63,7 +63,7 @@ def _describe(d: dict[str, Any]) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
-    from sarathi_lite.profiler import profile
+    from sarathi_lite.sim.profiler import profile
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from sarathi_lite.capacity import CapacityResult
-from sarathi_lite.results import BenchResult
+from sarathi_lite.bench.capacity import CapacityResult
+from sarathi_lite.bench.results import BenchResult
 
 DECODE_COLOR = "tab:blue"
 PREFILL_COLOR = "tab:orange"

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from sarathi_lite.bench.traces import trace_label, trace_path
+
 logger = logging.getLogger(__name__)
 
 _ARRIVALS_STREAM = 1
@@ -74,18 +76,21 @@ class Workload:
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_trace(cls, path: str | Path, *, num_requests: int | None = None, start: int = 0,
+    def from_trace(cls, trace: str | Path = "conversation", *, num_requests: int | None = None, start: int = 0,
                    qps: float | None = None, time_scale: float = 1.0, prompt_scale: float = 1.0,
                    output_scale: float = 1.0, max_prompt: int | None = None, max_output: int | None = None,
                    seed: int = 0) -> Workload:
-        """Rows ``start .. start + num_requests`` of a trace CSV (all rows from ``start`` when ``None``).
+        """Rows ``start .. start + num_requests`` of a trace (all rows from ``start`` when ``None``).
+
+        trace: a built-in trace name (``"conversation"``, ``"arxiv"``; see ``sarathi_lite.bench.traces``) or the
+            path of a CSV with the columns ``num_prefill_tokens``, ``num_decode_tokens`` (``arrived_at`` optional).
 
         qps: Poisson arrivals at this rate (requests/s). Without it, the trace's ``arrived_at`` times (seconds,
             made relative to the first row taken) times ``time_scale`` (2 halves the rate); a trace without
             arrival times then has every request arrive at time 0.
         prompt_scale, output_scale, max_prompt, max_output: scale, then clip, each length (tokens).
         """
-        path = Path(path)
+        path = trace_path(trace)
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             missing = {"num_prefill_tokens", "num_decode_tokens"} - set(reader.fieldnames or ())
@@ -109,7 +114,7 @@ class Workload:
         else:
             logger.info("%s has no arrival times and no qps was given: every request arrives at time 0", path.name)
             arrivals = np.zeros(len(rows))
-        source = {"kind": "trace", "trace": str(path), "start": start, "num_requests": len(rows),
+        source = {"kind": "trace", "trace": trace_label(trace), "start": start, "num_requests": len(rows),
                   "arrivals": "poisson" if qps is not None else ("trace" if has_times else "offline"),
                   "qps": qps, "time_scale": time_scale, "prompt_scale": prompt_scale,
                   "output_scale": output_scale, "max_prompt": max_prompt, "max_output": max_output}

@@ -13,20 +13,20 @@ from typing import Any
 
 import torch
 
-from sarathi_lite.config import ModelConfig
+from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from sarathi_lite.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
+from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import MetricsRecorder, Stats
-from sarathi_lite.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from sarathi_lite.models.builtin import resolve_model
+from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.loader import load_model
-from sarathi_lite.outputs import RequestOutput
-from sarathi_lite.sampling_params import SamplingParams
-from sarathi_lite.scheduler import Request, SchedulerConfig, SchedulerOutput, make_scheduler
+from sarathi_lite.scheduler import Request, SchedulerOutput, make_scheduler
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -45,52 +45,37 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None or dtype == "auto":
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
 
 
 class LLMEngine:
     """Chunked-prefill inference over a paged KV cache.
 
-    model: a built-in name (default ``"smollm2-135m"``) or a local Hugging Face checkpoint folder.
-    scheduler: the policy (``"sarathi"``, ``"vllm"``, ``"orca"``, ``"request_level"``, ``"simple_chunking"``).
-    chunk_size: token budget per iteration (chunked policies). max_num_seqs: most running requests.
-    block_size: tokens per KV block. num_kv_blocks: KV pool size; ``None`` derives it from
-    ``kv_cache_memory`` bytes (default 1 GiB on CPU) or, on CUDA, ``gpu_memory_utilization`` of free memory.
-    max_model_len: most tokens per request (default: the model's, capped by the pool).
-    attention_backend: ``"auto"`` (FlashInfer on CUDA when installed, else torch), ``"torch"``, ``"flashinfer"``.
-    load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights, for benchmarking model shapes).
-    clock: the time source for metrics (seconds). record_batches: keep every iteration's batch composition.
-    scheduler_options: further ``SchedulerConfig`` fields (``max_num_batched_tokens``, ``watermark``,
-    ``max_num_partial_prefills``, ``long_prefill_token_threshold``, ``max_long_partial_prefills``).
+    ``LLMEngine(model, **options)`` takes every ``EngineConfig`` field as a keyword (``scheduler=`` names the
+    policy), or ``LLMEngine(config=EngineConfig(...))``; see ``EngineConfig`` for each option and its default.
+    clock: the time source for metrics (seconds).
     share_model_with: another engine of the same checkpoint, dtype and device whose loaded weights (and
     tokenizer) this one reuses instead of loading them again, e.g. to sweep scheduler settings. Each engine
     keeps its own KV cache and scheduler; do not step them from two threads at once.
     """
 
-    def __init__(self, model: str | Path | None = None, *, scheduler: str = "sarathi", chunk_size: int = 512,
-                 max_num_seqs: int = 128, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, dtype: str | torch.dtype | None = None,
-                 device: str | torch.device | None = None, attention_backend: str = "auto",
-                 load_format: str = "auto", clock: Callable[[], float] = time.perf_counter,
-                 record_batches: bool = False, share_model_with: LLMEngine | None = None,
-                 **scheduler_options: Any) -> None:
-        unknown = set(scheduler_options) - set(SchedulerConfig.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.model_path = resolve_model(model)
-        self.device = _resolve_device(device)
-        self.dtype = _resolve_dtype(dtype, self.device)
+    def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
+                 clock: Callable[[], float] = time.perf_counter, share_model_with: LLMEngine | None = None,
+                 **options: Any) -> None:
+        if config is None:
+            config = EngineConfig.from_options(model, **options)
+        elif model is not None or options:
+            raise TypeError("give either config= or the model and options, not both")
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
         if share_model_with is None:
-            self.model = load_model(self.model_path, self.dtype, self.device, load_format)
+            self.model = load_model(self.model_path, self.dtype, self.device, config.load_format)
             self.tokenizer = _load_tokenizer(self.model_path)
         else:
             other = share_model_with
@@ -100,30 +85,31 @@ class LLMEngine:
                                  f"({self.dtype}, {self.device})")
             self.model, self.tokenizer = other.model, other.tokenizer
         self.model_config: ModelConfig = self.model.config
-        num_kv_blocks = self._num_kv_blocks(num_kv_blocks, kv_cache_memory, gpu_memory_utilization, block_size)
+        block_size = config.block_size
+        num_kv_blocks = self._num_kv_blocks(config.num_kv_blocks, config.kv_cache_memory,
+                                            config.gpu_memory_utilization, block_size)
         max_pos = self.model_config.max_position_embeddings
+        max_model_len = config.max_model_len
         if max_model_len is None:
             max_model_len = min(max_pos, num_kv_blocks * block_size)
         elif max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-        self.scheduler_config = SchedulerConfig(policy=scheduler, chunk_size=chunk_size, max_num_seqs=max_num_seqs,
-                                                block_size=block_size, num_blocks=num_kv_blocks,
-                                                max_model_len=max_model_len, **scheduler_options)
+        self.scheduler_config = config.scheduler_config(num_kv_blocks, max_model_len)
         self.scheduler = make_scheduler(self.scheduler_config)
         self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=num_kv_blocks, device=self.device,
-                                  dtype=self.dtype, attention_backend=attention_backend)
+                                  dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
         self.clock = clock
-        self.metrics = MetricsRecorder(record_batches=record_batches)
+        self.metrics = MetricsRecorder(record_batches=config.record_batches)
         self._entries: dict[str, _Entry] = {}
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
         logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %d, max_model_len %d",
                     time.perf_counter() - t0, self.model_path.name, self.device, str(self.dtype).split(".")[-1],
-                    scheduler, chunk_size, max_model_len)
+                    config.policy, config.chunk_size, max_model_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -230,14 +216,10 @@ class LLMEngine:
     def _num_kv_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None, utilization: float,
                        block_size: int) -> int:
         if num_kv_blocks is not None:
-            if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
-                raise ValueError(f"num_kv_blocks={num_kv_blocks!r} must be a positive integer")
             return num_kv_blocks
         per_block = kv_cache_bytes_per_block(self.model, block_size, self.dtype)
         if kv_cache_memory is None:
             if self.device.type == "cuda":
-                if not 0 < utilization <= 1:
-                    raise ValueError(f"gpu_memory_utilization={utilization!r} must be in (0, 1]")
                 free, total = torch.cuda.mem_get_info(self.device)
                 # Keep room for activations: (1 - utilization) of the card, at least 1 GiB.
                 kv_cache_memory = int(free - max(total * (1 - utilization), 1 << 30))

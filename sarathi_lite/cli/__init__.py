@@ -1,6 +1,6 @@
 """``sarathi-lite``: the command line. ``generate`` runs prompts under the chunked-prefill scheduler and shows
 how each iteration mixed prefill chunks and decodes, then TTFT/TBT. ``bench`` and ``capacity`` run the serving
-benchmark (``sarathi_lite.bench_cli``); ``sim`` and ``profile`` the simulator (``sarathi_lite.sim_cli``)."""
+benchmark (``sarathi_lite.cli.bench``); ``sim`` and ``profile`` the simulator (``sarathi_lite.cli.sim``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from sarathi_lite.bench_cli import add_bench_parsers
+from sarathi_lite.cli.bench import add_bench_parsers
+from sarathi_lite.cli.sim import add_sim_parsers
 from sarathi_lite.metrics import IterationRecord, Stats
 from sarathi_lite.scheduler import POLICIES
-from sarathi_lite.sim_cli import add_sim_parsers
 
 DEFAULT_PROMPTS = (
     "Explain in two sentences why a long prompt can stall other users of an LLM server.",

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import sample
-from sarathi_lite.sampling_params import SamplingParams
 
 
 class Sampler:

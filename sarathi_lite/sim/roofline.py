@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.config import ModelConfig
-from sarathi_lite.cost_model import CostModel, StepTiming
+from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.scheduler import SchedulerOutput
+from sarathi_lite.sim.cost_model import CostModel, StepTiming
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from sarathi_lite.engine.sampler import Sampler
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
 from sarathi_lite.models.llama import LlamaForCausalLM
-from sarathi_lite.sampler import Sampler
-from sarathi_lite.sampling_params import SamplingParams
 from sarathi_lite.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -33,12 +33,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sarathi_lite.bench import BatchShape, build_engine, machine, warm_up
-from sarathi_lite.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
-from sarathi_lite.engine import LLMEngine
-from sarathi_lite.model_runner import kv_cache_bytes_per_block
-from sarathi_lite.sampling_params import SamplingParams
+from sarathi_lite.bench.replay import BatchShape, build_engine, machine, warm_up
+from sarathi_lite.engine.llm_engine import LLMEngine
+from sarathi_lite.engine.model_runner import kv_cache_bytes_per_block
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import SchedulerOutput
+from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """Serving benchmark on the real model: replay a ``Workload`` online, in real time, under one or more scheduler
 configurations, and measure the per-token cost of decode, hybrid and prefill batches.
 
->>> from sarathi_lite.bench import run
->>> from sarathi_lite.workload import Workload
+>>> from sarathi_lite.bench.replay import run
+>>> from sarathi_lite.bench.workload import Workload
 >>> wl = Workload.from_trace("splitwise_conv.csv", num_requests=40, qps=0.5, prompt_scale=0.25)
 >>> results = run(wl, policies=["sarathi", "vllm"], chunk_sizes=[256])
->>> print(compare(results))                   # sarathi_lite.results.compare
+>>> print(compare(results))                   # sarathi_lite.bench.results.compare
 
 Replay: a request is added to the engine (``arrival_time = start + spec.arrival_time`` on the engine's clock)
 once the wall clock passes its arrival; the engine steps continuously while anything is unfinished, and sleeps
@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from sarathi_lite.capacity import SLO, CapacityResult, search_capacity
-from sarathi_lite.engine import LLMEngine
-from sarathi_lite.results import BenchResult, config_label, configurations, host, run_config
-from sarathi_lite.sampling_params import SamplingParams
+from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
+from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.engine.llm_engine import LLMEngine
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import CHUNKED_POLICIES, ScheduledRequest, SchedulerOutput
-from sarathi_lite.workload import Workload
 
 logger = logging.getLogger(__name__)
 
