@@ -37,7 +37,7 @@ class SchedulerConfig:
         chunk per iteration is capped at this many tokens (``None``: no prompt is long).
     max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
         a long prompt that this limit holds back.
-    tbt_slo: with ``chunk_size="auto"`` (and only then, where it is required): the time-between-tokens target,
+    tbt_slo: with ``chunk_size="auto"`` (required then, unused otherwise): the time-between-tokens target,
         seconds per iteration.
     budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take, in (0, 1].
     min_chunk_size: with ``chunk_size="auto"``: prefill tokens granted every iteration a prompt waits, even
@@ -109,9 +109,6 @@ class SchedulerConfig:
 
     def _check_auto_budget(self) -> None:
         if not self.auto_budget:
-            if self.tbt_slo is not None:
-                raise ValueError(f"tbt_slo={self.tbt_slo!r} applies only to chunk_size='auto' "
-                                 f"(chunk_size={self.chunk_size!r})")
             return
         if self.policy not in CHUNKED_POLICIES:
             raise ValueError(f"chunk_size='auto' needs a chunked policy ({', '.join(CHUNKED_POLICIES)}), "

@@ -182,8 +182,6 @@ def test_auto_budget_inputs_are_validated() -> None:
         SchedulerConfig(chunk_size="auto")
     with pytest.raises(ValueError, match="tbt_slo=-1"):
         SchedulerConfig(chunk_size="auto", tbt_slo=-1)
-    with pytest.raises(ValueError, match="tbt_slo=0.2 applies only"):
-        SchedulerConfig(chunk_size=256, tbt_slo=0.2)
     with pytest.raises(ValueError, match="needs a chunked policy"):
         SchedulerConfig(policy="vllm", chunk_size="auto", tbt_slo=0.2)
     with pytest.raises(ValueError, match="budget_safety=1.5"):

@@ -21,6 +21,7 @@ import torch
 from sarathi_lite.bench import replay as bench
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.model_runner import ModelRunner
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
 from sarathi_lite.sim.cost_model import ProfiledCostModel, ReplayCostModel
@@ -142,3 +143,40 @@ def test_a_simulated_result_has_the_bench_result_schema(online):
     assert s["meta"]["replay"] == "simulated" and r["meta"]["replay"] == "real-time"
     assert BenchResult.from_json(sim.to_json()).summary() == sim.summary()
     assert {k: v[0].keys() for k, v in sim.tables().items()} == {k: v[0].keys() for k, v in real.tables().items()}
+
+
+AUTO_PREDICTOR = ProfiledCostModel((1, 64), (0.002, 0.008))  # 2 ms + ~0.1 ms per token
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
+def test_online_auto_budget_schedules_the_real_batches_when_replaying_measured_step_times(
+        tiny_checkpoints, one_thread, policy):
+    """``chunk_size="auto"``: the engine corrects the predictor with every measured step; the simulator, fed the
+    same step times, makes the same corrections and so the same budgets."""
+    clock = VirtualClock()
+    execute = ModelRunner.execute
+
+    def timed(self, out, params):
+        t0 = time.perf_counter()
+        result = execute(self, out, params)
+        clock.now += time.perf_counter() - t0
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "execute", timed)
+        mp.setattr(bench.time, "sleep", clock.sleep)
+        engine = LLMEngine(tiny_checkpoints["llama"], scheduler=policy, chunk_size="auto", tbt_slo=0.006,
+                           budget_safety=1.0, min_chunk_size=4, cost_model=AUTO_PREDICTOR, clock=clock,
+                           record_batches=True, block_size=4, num_kv_blocks=512, device="cpu")
+        real = bench.replay(engine, ONLINE, progress=False)
+    assert real.config["chunk_size"] == "auto" and real.config["tbt_slo"] == 0.006
+    assert engine.scheduler.budget.correction != 1.0  # the measured steps moved the predictions
+    prefill = {it.num_prefill_tokens for it in real.stats.iterations}
+    assert len(prefill) > 3  # the budget varied
+    config = SchedulerConfig(policy=policy, chunk_size="auto", tbt_slo=0.006, budget_safety=1.0, min_chunk_size=4,
+                             block_size=4, num_blocks=512, max_model_len=real.config["max_model_len"])
+    sim = simulate(ONLINE, ReplayCostModel.from_result(real), config, predictor=AUTO_PREDICTOR, record_batches=True)
+    assert batches(sim) == batches(real)
+    # Not vacuous: with the predictor's own step times (so no correction), other budgets and batches.
+    uncorrected = simulate(ONLINE, AUTO_PREDICTOR, config, record_batches=True)
+    assert batches(uncorrected) != batches(real)

@@ -16,7 +16,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 # The SchedulerConfig fields an engine passes through unchanged (num_blocks and max_model_len it derives).
 SCHEDULER_FIELDS = ("policy", "chunk_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "watermark",
-                    "max_num_partial_prefills", "long_prefill_token_threshold", "max_long_partial_prefills")
+                    "max_num_partial_prefills", "long_prefill_token_threshold", "max_long_partial_prefills",
+                    "tbt_slo", "budget_safety", "min_chunk_size")
 
 
 @dataclass(slots=True)
@@ -26,9 +27,14 @@ class EngineConfig:
     model: a built-in name (``None``: the embedded ``"smollm2-135m"``) or a local Hugging Face checkpoint folder.
     policy: the scheduler policy (``sarathi``, ``vllm``, ``orca``, ``request_level``, ``simple_chunking``);
         ``LLM``/``LLMEngine`` take it as ``scheduler=``.
-    chunk_size: token budget per iteration (chunked policies). max_num_seqs: most running requests.
+    chunk_size: token budget per iteration (chunked policies), or ``"auto"``: each iteration's budget chosen so
+        the step predicted by ``cost_model`` fits ``tbt_slo`` (see ``sarathi_lite.scheduler.budget``); the
+        engine feeds every measured step time back to correct the predictions. max_num_seqs: most running
+        requests.
     max_num_batched_tokens, watermark, max_num_partial_prefills, long_prefill_token_threshold,
-        max_long_partial_prefills: as in ``SchedulerConfig``.
+        max_long_partial_prefills, tbt_slo (seconds), budget_safety, min_chunk_size: as in ``SchedulerConfig``.
+    cost_model: with ``chunk_size="auto"``: a profile JSON file (``sarathi-lite profile``), a
+        ``roofline:HW[:MODEL]`` spec, or any object with ``predict_step_time(SchedulerOutput) -> seconds``.
     block_size: tokens per KV block. num_kv_blocks: KV pool size in blocks; ``None`` derives it from
         ``kv_cache_memory`` bytes (default 1 GiB on CPU) or, on CUDA, ``gpu_memory_utilization`` of the card.
     max_model_len: most tokens per request (``None``: the model's ``max_position_embeddings``, capped by the pool).
@@ -41,7 +47,7 @@ class EngineConfig:
 
     model: str | None = None
     policy: str = "sarathi"
-    chunk_size: int = 512
+    chunk_size: int | str = 512
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     block_size: int = 16
@@ -49,6 +55,10 @@ class EngineConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
+    tbt_slo: float | None = None
+    budget_safety: float = 0.9
+    min_chunk_size: int = 32
+    cost_model: Any = None
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -77,6 +87,11 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if isinstance(self.cost_model, Path):
+            self.cost_model = str(self.cost_model)
+        if self.chunk_size == "auto" and self.cost_model is None:
+            raise ValueError("chunk_size='auto' needs cost_model= (a profile JSON, roofline:HW[:MODEL], or an "
+                             "object with predict_step_time) to choose each iteration's budget")
         # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
         self.scheduler_config(num_blocks=self.num_kv_blocks, max_model_len=1)
 

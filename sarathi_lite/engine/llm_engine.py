@@ -22,6 +22,7 @@ from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.loader import load_model
 from sarathi_lite.scheduler import Request, SchedulerOutput, make_scheduler
+from sarathi_lite.sim.simulator import load_cost_model
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class LLMEngine:
         elif max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
         self.scheduler_config = config.scheduler_config(num_kv_blocks, max_model_len)
-        self.scheduler = make_scheduler(self.scheduler_config)
+        self.scheduler = make_scheduler(self.scheduler_config, _predictor(config))
         self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=num_kv_blocks, device=self.device,
                                   dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
@@ -107,7 +108,7 @@ class LLMEngine:
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
-        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %d, max_model_len %d",
+        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %s, max_model_len %d",
                     time.perf_counter() - t0, self.model_path.name, self.device, str(self.dtype).split(".")[-1],
                     config.policy, config.chunk_size, max_model_len)
 
@@ -167,6 +168,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         self.metrics.record_step(out, start, scheduled, end, finished)
+        self.scheduler.observe(out, end - start)
         outputs = []
         for rid in result.tokens:
             entry = self._entries.get(rid)
@@ -231,6 +233,16 @@ class LLMEngine:
         logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", kv_cache_memory / 2**20, blocks,
                     block_size)
         return int(blocks)
+
+
+def _predictor(config: EngineConfig) -> Any:
+    """The step-time model of ``chunk_size="auto"`` (``None`` otherwise): ``config.cost_model`` loaded if it is
+    a spec."""
+    if config.chunk_size != "auto":
+        return None
+    if isinstance(config.cost_model, str):
+        return load_cost_model(config.cost_model)
+    return config.cost_model
 
 
 def _load_tokenizer(path: Path) -> Any:

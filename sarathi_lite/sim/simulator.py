@@ -33,7 +33,7 @@ from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.metrics import MetricsRecorder
-from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, make_scheduler
+from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, StepTimePredictor, make_scheduler
 from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
 from sarathi_lite.sim.roofline import roofline
 
@@ -53,7 +53,7 @@ def load_cost_model(spec: str | Path) -> CostModel:
     return ProfiledCostModel.load(text)
 
 
-def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *, max_num_seqs: int = 128,
+def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | str | None, *, max_num_seqs: int = 128,
                      block_size: int = 16, num_kv_blocks: int | None = None, max_model_len: int | None = None,
                      **options: Any) -> SchedulerConfig:
     """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment.
@@ -74,20 +74,24 @@ def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None,
                            block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
 
 
-def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *, chunk_size: int | None = None,
-             record_batches: bool = False, seed: int = 0) -> BenchResult:
+def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *,
+             chunk_size: int | str | None = None, record_batches: bool = False, seed: int = 0,
+             predictor: StepTimePredictor | None = None) -> BenchResult:
     """Serve ``workload`` under ``config`` on a simulated clock (seconds from 0) and return what it recorded.
 
     Every request produces exactly its ``output_len`` tokens (as the real replay forces them). chunk_size:
     recorded in the configuration (default: ``config.chunk_size`` for chunked policies, else ``None``).
     record_batches: keep every iteration's ``(request_id, num_new_tokens)`` rows, as the engine's option.
     seed: of the cost model's random draws, if it makes any (``cost_model.reset(seed)`` runs first).
+    predictor: with ``config.chunk_size == "auto"``, the step-time model that picks each budget (default:
+    ``cost_model`` itself). Each step's simulated time is fed back to it as the engine feeds its measured one, so
+    its correction stays 1 when it is the cost model without jitter.
     Raises ``ValueError`` if a request does not fit ``config.max_model_len``.
     """
     workload.check_fits(config.max_model_len)
     wall = time.perf_counter()
     cost_model.reset(seed)
-    scheduler = make_scheduler(config)
+    scheduler = make_scheduler(config, (predictor or cost_model) if config.auto_budget else None)
     metrics = MetricsRecorder(record_batches=record_batches)
     specs = workload.requests
     no_stop: frozenset[int] = frozenset()
@@ -113,6 +117,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
         finished = update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
         if out.scheduled:
             record(out, start, start + timing.schedule_time, ready, finished)
+            scheduler.observe(out, timing.step_time)
     description = cost_model.describe()
     config_record = run_config(config, chunk_size, model=description["model"], dtype=description["dtype"],
                                device=description["device"], attention_backend=description["attention_backend"])
@@ -134,7 +139,7 @@ def run(workload: Workload, cost_model: CostModel, *, policies: Sequence[str] = 
 
 
 def capacity(workload: Workload, cost_model: CostModel, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
-             chunk_size: int = 256, qps_low: float, qps_high: float, num_probes: int = 8,
+             chunk_size: int | str = 256, qps_low: float, qps_high: float, num_probes: int = 8,
              **config_options: Any) -> list[CapacityResult]:
     """Serving capacity of each policy (chunked ones at ``chunk_size``), as ``bench.capacity`` but simulated:
     ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe ``workload.at_qps(qps)``."""
