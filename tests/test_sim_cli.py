@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.cli import main
 from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel
@@ -53,6 +55,23 @@ def test_sim_capacity_search_with_the_roofline_model(tmp_path, capsys):
     found = json.loads((tmp_path / "capacity.json").read_text())
     assert [c["label"] for c in found] == ["sarathi/256", "vllm"]
     assert all(len(c["probes"]) <= 6 for c in found) and (tmp_path / "capacity.png").is_file()
+
+
+def test_sim_auto_chunk_size_sweeps_and_searches_capacity_beside_fixed_ones(tmp_path, capsys):
+    roofline = ["sim", "--cost-model", "roofline:h100:llama3-8b", *WORKLOAD, "--policies", "sarathi"]
+    assert main([*roofline, "--chunk-sizes", "64,auto", "--tbt-slo", "0.02", "--out", str(tmp_path / "sweep")]) == 0
+    assert "sarathi/64" in capsys.readouterr().out
+    result = BenchResult.from_json(tmp_path / "sweep" / "sarathi_auto.json")
+    assert result.config["chunk_size"] == "auto" and result.config["tbt_slo"] == 0.02
+    assert max(it.step_time for it in result.stats.iterations) <= 0.02 * 0.9  # the roofline predicts exactly
+    assert main([*roofline, "--capacity", "--chunk-size", "auto", "--tbt-slo", "0.02", "--qps-low", "1",
+                 "--qps-high", "400", "--probes", "4", "--out", str(tmp_path)]) == 0
+    assert "sarathi/auto" in capsys.readouterr().out
+    assert main([*roofline, "--chunk-size", "auto", "--out", str(tmp_path)]) == 2
+    assert "tbt_slo=None" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*roofline, "--chunk-size", "big", "--out", str(tmp_path)])
+    assert "neither a token count nor 'auto'" in capsys.readouterr().err
 
 
 def test_sim_errors_are_reported_not_raised(tmp_path, capsys):

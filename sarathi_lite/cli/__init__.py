@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from sarathi_lite.cli.bench import add_bench_parsers
 from sarathi_lite.cli.sim import add_sim_parsers
@@ -20,11 +21,38 @@ DEFAULT_PROMPTS = (
 )
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by every subcommand that builds an engine."""
+def chunk_size_arg(text: str) -> int | str:
+    """A ``--chunk-size`` value: a positive token count or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"chunk size {text!r} is neither a token count nor 'auto'") from None
+
+
+def add_budget_args(p: Any, *, tbt_slo: bool = True) -> None:
+    """The ``--chunk-size auto`` options (``--tbt-slo`` only where the command has no SLO flag of its own)."""
+    if tbt_slo:
+        p.add_argument("--tbt-slo", type=float, default=None,
+                       help="with --chunk-size auto: the time-between-tokens target per iteration (seconds)")
+    p.add_argument("--budget-safety", type=float, default=0.9,
+                   help="with --chunk-size auto: the fraction of --tbt-slo a predicted step may take")
+    p.add_argument("--min-chunk-size", type=int, default=32,
+                   help="with --chunk-size auto: prefill tokens granted every iteration a prompt waits")
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, tbt_slo: bool = True) -> None:
+    """Engine options shared by every subcommand that builds an engine. tbt_slo: whether to add ``--tbt-slo``
+    (commands with an SLO of their own define it, and it is then also the target of ``--chunk-size auto``)."""
     p.add_argument("--model", default=None, help="built-in name (default smollm2-135m) or checkpoint folder")
     p.add_argument("--scheduler", default="sarathi", choices=POLICIES, help="batching policy")
-    p.add_argument("--chunk-size", type=int, default=256, help="token budget per iteration (chunked policies)")
+    p.add_argument("--chunk-size", type=chunk_size_arg, default=256,
+                   help="token budget per iteration (chunked policies), or 'auto': chosen each iteration to fit "
+                        "--tbt-slo as predicted by --cost-model")
+    p.add_argument("--cost-model", default=None,
+                   help="with --chunk-size auto: a profile JSON (sarathi-lite profile) or roofline:HW[:MODEL]")
+    add_budget_args(p, tbt_slo=tbt_slo)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -36,7 +64,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(scheduler=args.scheduler, chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=args.dtype,
-                device=args.device, attention_backend=args.attention_backend)
+                device=args.device, attention_backend=args.attention_backend, cost_model=args.cost_model,
+                **budget_kwargs(args))
+
+
+def budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``chunk_size="auto"`` options of ``add_budget_args``' flags."""
+    return dict(tbt_slo=args.tbt_slo, budget_safety=args.budget_safety, min_chunk_size=args.min_chunk_size)
 
 
 def iteration_table(iterations: Sequence[IterationRecord]) -> str:

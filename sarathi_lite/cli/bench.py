@@ -134,7 +134,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 def add_capacity_args(g: Any, *, tbt_required: bool, probes: int, probes_help: str) -> None:
     """The capacity search's flags (SLO, rate range, probes), shared by ``capacity`` and ``sim --capacity``."""
-    g.add_argument("--tbt-slo", type=float, required=tbt_required, default=None, help="P99 TBT bound (seconds)")
+    g.add_argument("--tbt-slo", type=float, required=tbt_required, default=None,
+                   help="P99 TBT bound (seconds); also the per-iteration target of --chunk-size auto")
     g.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
     g.add_argument("--qps-low", type=float, default=0.1)
     g.add_argument("--qps-high", type=float, default=2.0)
@@ -187,7 +188,7 @@ def _s(v: float | None) -> str:
 
 def add_bench_parsers(sub: Any) -> None:
     """Add ``bench`` and ``capacity`` to the ``sarathi-lite`` subcommands."""
-    from sarathi_lite.cli import add_engine_args
+    from sarathi_lite.cli import add_engine_args, chunk_size_arg
 
     b = sub.add_parser("bench", help="replay a workload online under several scheduler configurations",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,8 +196,8 @@ def add_bench_parsers(sub: Any) -> None:
     add_workload_args(b)
     b.add_argument("--policies", type=_csv(str), default=None,
                    help=f"comma-separated, of {','.join(POLICIES)} (default: --scheduler, else sarathi,vllm)")
-    b.add_argument("--chunk-sizes", type=_csv(int), default=None,
-                   help="comma-separated chunk sizes for the chunked policies (default: --chunk-size)")
+    b.add_argument("--chunk-sizes", type=_csv(chunk_size_arg), default=None,
+                   help="comma-separated chunk sizes (or auto) for the chunked policies (default: --chunk-size)")
     b.add_argument("--out", default="results/bench", help="folder for JSON, CSV and the plot")
     b.add_argument("--plot", action="store_true", help="also write bench.png")
     b.add_argument("--no-progress", action="store_true")
@@ -207,7 +208,7 @@ def add_bench_parsers(sub: Any) -> None:
     b.set_defaults(func=cmd_bench, scheduler=None, chunk_size=128)
 
     c = sub.add_parser("capacity", help="highest rate meeting a P99 TBT SLO and a median scheduling delay bound")
-    add_engine_args(c)
+    add_engine_args(c, tbt_slo=False)
     add_workload_args(c)
     c.add_argument("--policies", type=_csv(str), default=None,
                    help="comma-separated (default: --scheduler, else sarathi,vllm)")

@@ -26,12 +26,13 @@ from sarathi_lite.cli.bench import (
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from sarathi_lite.bench.results import compare, save_results
+    from sarathi_lite.cli import budget_kwargs
     from sarathi_lite.sim import simulator as sim
 
     cost_model = sim.load_cost_model(args.cost_model)
     workload = build_workload(args)
     options = {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
-               "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
+               "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len, **budget_kwargs(args)}
     print(f"workload: {workload.describe()}")
     print(f"cost model: {_describe(cost_model.describe())}")
     if args.capacity:
@@ -90,6 +91,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def add_sim_parsers(sub: Any) -> None:
     """Add ``sim`` and ``profile`` to the ``sarathi-lite`` subcommands."""
+    from sarathi_lite.cli import add_budget_args, chunk_size_arg
     from sarathi_lite.scheduler import POLICIES
 
     s = sub.add_parser("sim", help="simulate a workload under several scheduler configurations (no model run)",
@@ -101,9 +103,12 @@ def add_sim_parsers(sub: Any) -> None:
     s.add_argument("--scheduler", default=None, choices=POLICIES, help="one policy (see --policies)")
     s.add_argument("--policies", type=_csv(str), default=None,
                    help=f"comma-separated, of {','.join(POLICIES)} (default: --scheduler, else sarathi,vllm)")
-    s.add_argument("--chunk-size", type=int, default=128, help="token budget per iteration (chunked policies)")
-    s.add_argument("--chunk-sizes", type=_csv(int), default=None,
-                   help="comma-separated chunk sizes for the chunked policies (default: --chunk-size)")
+    s.add_argument("--chunk-size", type=chunk_size_arg, default=128,
+                   help="token budget per iteration (chunked policies), or 'auto': chosen each iteration to fit "
+                        "--tbt-slo as predicted by --cost-model")
+    s.add_argument("--chunk-sizes", type=_csv(chunk_size_arg), default=None,
+                   help="comma-separated chunk sizes (or auto) for the chunked policies (default: --chunk-size)")
+    add_budget_args(s, tbt_slo=False)
     s.add_argument("--max-num-seqs", type=int, default=128)
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-kv-blocks", type=int, default=None,
