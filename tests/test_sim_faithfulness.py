@@ -21,6 +21,7 @@ import torch
 from sarathi_lite.bench import replay as bench
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.cli import main
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.model_runner import ModelRunner
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
@@ -28,6 +29,7 @@ from sarathi_lite.sim.cost_model import ProfiledCostModel, ReplayCostModel
 from sarathi_lite.sim.roofline import roofline
 from sarathi_lite.sim.simulator import run as sim_run
 from sarathi_lite.sim.simulator import simulate
+from sarathi_lite.sim.validate import validate
 
 ENGINE = dict(block_size=4, num_kv_blocks=30, device="cpu")  # 120 token slots: the offline run preempts
 CHUNK = 16
@@ -180,3 +182,25 @@ def test_online_auto_budget_schedules_the_real_batches_when_replaying_measured_s
     # Not vacuous: with the predictor's own step times (so no correction), other budgets and batches.
     uncorrected = simulate(ONLINE, AUTO_PREDICTOR, config, record_batches=True)
     assert batches(uncorrected) != batches(real)
+
+
+def test_validate_rebuilds_every_real_batch_and_groups_the_step_errors(online, tmp_path, capsys):
+    constant = ProfiledCostModel((1, 2), (0.001, 0.001))  # 1 ms, whatever the batch
+    for r in online:
+        check = validate(r, constant, long_context=40)
+        assert check.unmatched == 0 and len(check.steps) == len(r.stats.iterations), r.label
+        assert [s.measured for s in check.steps] == [it.step_time for it in r.stats.iterations]
+        assert all(s.error == pytest.approx(0.001 / s.measured - 1) for s in check.steps)
+    sarathi = validate(next(r for r in online if r.config["policy"] == "sarathi"), constant, long_context=40)
+    groups = {(g["kind"], g["context"]): g for g in sarathi.groups()}
+    assert {k for k, _ in groups} == {"decode-only", "chunk-only", "hybrid", "all"}
+    assert {c for _, c in groups} == {"short", "long", "all"}
+    assert sum(g["n"] for k, g in groups.items() if k[0] != "all") == groups["all", "all"]["n"]
+    path = tmp_path / "run.json"
+    online[0].to_json(path)
+    assert main(["sim", "--cost-model", "roofline:h100:smollm2-135m", "--validate", str(path),
+                 "--out", str(tmp_path)]) == 0
+    assert "decode-only" in capsys.readouterr().out and (tmp_path / "validate_run.json").is_file()
+    simulated = simulate(ONLINE, constant, scheduler_config(online[0]))
+    with pytest.raises(ValueError, match="needs a real run"):
+        validate(simulated, constant)

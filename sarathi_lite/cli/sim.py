@@ -3,7 +3,8 @@
 sim: the same workload and comparison flags as ``bench`` (``--policies`` x ``--chunk-sizes``), plus
 ``--cost-model`` (a profile JSON from ``sarathi-lite profile``, or ``roofline:HW[:MODEL]``); prints the same table,
 writes the same JSON/CSV (and with ``--plot`` a PNG). ``--capacity`` searches each policy's capacity under
-``--tbt-slo`` instead, as ``sarathi-lite capacity`` does. profile: time this machine's model runner over a grid
+``--tbt-slo`` instead, as ``sarathi-lite capacity`` does; ``--validate RUN.json`` predicts every iteration of real
+runs and prints the per-step error by batch kind. profile: time this machine's model runner over a grid
 of batch shapes and save the fitted cost model (about 1-2 minutes for SmolLM2-135M on 2 CPU cores; ``--quick``
 about a third).
 """
@@ -30,6 +31,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from sarathi_lite.sim import simulator as sim
 
     cost_model = sim.load_cost_model(args.cost_model)
+    if args.validate:
+        return _validate(args, cost_model)
     workload = build_workload(args)
     options = {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
                "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len, **budget_kwargs(args)}
@@ -54,6 +57,27 @@ def _capacity(args: argparse.Namespace, sim: Any, cost_model: Any, workload: Any
     found = sim.capacity(workload, cost_model, slo, policies=_policies(args), chunk_size=args.chunk_size,
                          qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, **options)
     save_capacity(found, args.out, plot=args.plot)
+    return 0
+
+
+def _validate(args: argparse.Namespace, cost_model: Any) -> int:
+    import json
+    from pathlib import Path
+
+    from sarathi_lite.bench.results import BenchResult
+    from sarathi_lite.sim.validate import validate
+
+    print(f"cost model: {_describe(cost_model.describe())}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in args.validate:
+        check = validate(BenchResult.from_json(path), cost_model, long_context=args.long_context)
+        print(f"\n{path}: {check.label}, {len(check.steps)} steps predicted ({check.unmatched} not rebuilt); "
+              f"error = predicted / measured - 1, long context: > {check.long_context} tokens")
+        print(check.table())
+        target = out / f"validate_{Path(path).stem}.json"
+        target.write_text(json.dumps(check.to_dict(), indent=1))
+        print(f"wrote {target}")
     return 0
 
 
@@ -116,6 +140,12 @@ def add_sim_parsers(sub: Any) -> None:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
     s.add_argument("--plot", action="store_true", help="also write sim.png (capacity.png with --capacity)")
+    v = s.add_argument_group("cost model check (--validate)")
+    v.add_argument("--validate", nargs="+", default=None, metavar="RUN.json",
+                   help="instead: predict every iteration of these real runs (bench result JSON files) and print "
+                        "the per-step error by batch kind and context")
+    v.add_argument("--long-context", type=int, default=512,
+                   help="with --validate: a batch whose longest context exceeds this (tokens) counts as long")
     g = s.add_argument_group("capacity search (--capacity)")
     g.add_argument("--capacity", action="store_true",
                    help="instead: per policy, the highest rate meeting --tbt-slo and --max-scheduling-delay")
