@@ -79,3 +79,17 @@ def test_sim_errors_are_reported_not_raised(tmp_path, capsys):
     assert "neither a profile JSON" in capsys.readouterr().err
     assert main(["sim", "--cost-model", "roofline:h100", *WORKLOAD, "--capacity", "--out", str(tmp_path)]) == 2
     assert "--tbt-slo" in capsys.readouterr().err
+
+
+def test_quick_profile_grid_covers_long_context_chunks_and_many_decode_hybrids():
+    from sarathi_lite.sim.profiler import profile_grid
+
+    grid = profile_grid(quick=True, max_tokens=256, max_context=512, max_decodes=32)
+    assert len(grid) < len(profile_grid(max_tokens=256, max_context=512, max_decodes=32))
+    long_chunks = {s.chunks[0][1] for s in grid if not s.decode_contexts and s.chunks[0][0] == 512}
+    assert long_chunks == {16, 32, 64, 128, 256}  # every power of two, after max_context cached tokens
+    hybrids = [s for s in grid if s.decode_contexts and s.chunks]
+    assert hybrids and all(len(s.decode_contexts) == min(32, (len(s.decode_contexts) + s.chunks[0][1]) // 2)
+                           for s in hybrids)
+    assert max(len(s.decode_contexts) for s in hybrids) == 32 and all(s.chunks[0][0] == 512 for s in hybrids)
+    assert max(max(s.decode_contexts) for s in grid if s.decode_contexts) > 256  # long decode contexts too

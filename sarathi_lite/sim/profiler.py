@@ -57,10 +57,11 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
 
     quick (for a notebook or CI): fewer shapes, but the same corners, placed rather than drawn, since with about
     as many shapes as fitted values a random draw that misses a corner leaves its term to extrapolation: decode-only
-    sizes once (contexts alternately small and full); each chunk size once at no cached context and, at the
-    powers of two, once more after ``max_context`` cached tokens (long-context chunks pin the attention term);
-    hybrids once per knot, each with as many decodes as fit (up to ``max_decodes``, at full context) beside one
-    chunk after ``max_context`` cached tokens (many decodes pin the decode terms)."""
+    sizes once (contexts alternately small and full); each chunk size once at no cached context (not sampling,
+    as a prompt's first chunks) and, at the powers of two, once more after ``max_context`` cached tokens
+    (sampling; long-context chunks pin the attention term); hybrids once per knot, each with as many decodes as
+    fit (up to ``max_decodes``, at full context) beside one chunk after ``max_context`` cached tokens (many
+    decodes pin the decode terms)."""
     rng = np.random.default_rng(seed)
     caps = (max(max_context // 16, 1), max(max_context // 4, 1), max_context)
     budgets = [b for b in token_knots(max_tokens) if b >= 16]
@@ -93,11 +94,11 @@ def _quick_grid(budgets: Sequence[int], max_context: int, max_decodes: int, caps
 
     shapes = [BatchShape(contexts(n, caps[2] if i % 2 else caps[0]))
               for i, n in enumerate(token_knots(max_decodes))]
-    shapes += [BatchShape((), ((0, b, True),)) for b in budgets]
+    shapes += [BatchShape((), ((0, b, False),)) for b in budgets]
     shapes += [BatchShape((), ((max_context, b, True),)) for b in budgets if b & (b - 1) == 0]
-    for budget in budgets:
+    for i, budget in enumerate(budgets):
         n = min(max_decodes, budget // 2)
-        shapes.append(BatchShape(contexts(n, max_context), ((max_context, budget - n, True),)))
+        shapes.append(BatchShape(contexts(n, max_context), ((max_context, budget - n, bool(i % 2)),)))
     return [shapes[i] for i in rng.permutation(len(shapes))]
 
 
