@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,6 +197,8 @@ def test_validate_rebuilds_every_real_batch_and_groups_the_step_errors(online, t
     assert {k for k, _ in groups} == {"decode-only", "chunk-only", "hybrid", "all"}
     assert {c for _, c in groups} == {"short", "long", "all"}
     assert sum(g["n"] for k, g in groups.items() if k[0] != "all") == groups["all", "all"]["n"]
+    ratios = sorted(s.measured / 0.001 for s in sarathi.steps)  # scale: the median measured / predicted
+    assert sarathi.scale == pytest.approx(float(np.median(ratios)))
     path = tmp_path / "run.json"
     online[0].to_json(path)
     assert main(["sim", "--cost-model", "roofline:h100:smollm2-135m", "--validate", str(path),

@@ -8,6 +8,11 @@ each request's context; the cost model predicts each one's typical step time (``
 relative error ``predicted / measured - 1`` is grouped by batch kind (decode-only, chunk-only, hybrid) and by
 context (short, or long: some request's context above ``long_context`` tokens).
 
+A machine shared with other work runs slower than when it was profiled, by a factor that drifts; the
+``chunk_size="auto"`` budget corrects for it online. So besides the raw error, each group reports the error
+once every prediction is multiplied by one ``scale`` (the run's median of measured / predicted): what is left is
+the model's error in *shape* (decode against prefill, short against long context), which no correction removes.
+
 Torch-free.
 """
 
@@ -52,6 +57,9 @@ class StepError:
     def error(self) -> float:
         return self.predicted / self.measured - 1.0
 
+    def scaled_error(self, scale: float) -> float:
+        return self.predicted * scale / self.measured - 1.0
+
 
 @dataclass(slots=True)
 class Validation:
@@ -62,32 +70,43 @@ class Validation:
     steps: list[StepError] = field(default_factory=list)
     unmatched: int = 0
 
+    @property
+    def scale(self) -> float:
+        """The run's median measured / predicted step time (1.0 without steps)."""
+        return float(np.median([s.measured / s.predicted for s in self.steps])) if self.steps else 1.0
+
     def groups(self) -> list[dict[str, Any]]:
-        """Per (kind, context) group and over all: ``n``, median signed error, median and p90 absolute error."""
+        """Per (kind, context) group and over all: ``n``; median signed error, median and p90 absolute error;
+        and median signed and absolute error after ``scale``."""
         rows = []
+        scale = self.scale
         keys = [(k, c) for k in KINDS for c in (False, True)] + [("all", None)]
         for kind, long in keys:
-            errs = np.array([s.error for s in self.steps
-                             if kind == "all" or (s.kind == kind and s.long == long)])
-            if not errs.size:
+            mine = [s for s in self.steps if kind == "all" or (s.kind == kind and s.long == long)]
+            if not mine:
                 continue
+            errs = np.array([s.error for s in mine])
+            scaled = np.array([s.scaled_error(scale) for s in mine])
             rows.append({"kind": kind, "context": "all" if long is None else ("long" if long else "short"),
-                         "n": int(errs.size), "error_p50": float(np.median(errs)),
+                         "n": len(mine), "error_p50": float(np.median(errs)),
                          "abs_error_p50": float(np.median(np.abs(errs))),
-                         "abs_error_p90": float(np.percentile(np.abs(errs), 90))})
+                         "abs_error_p90": float(np.percentile(np.abs(errs), 90)),
+                         "scaled_error_p50": float(np.median(scaled)),
+                         "scaled_abs_error_p50": float(np.median(np.abs(scaled)))})
         return rows
 
     def table(self) -> str:
         lines = [f"{'batch kind':<12} {'context':<7} {'steps':>6} {'error p50':>9} {'|error| p50':>11} "
-                 f"{'|error| p90':>11}"]
+                 f"{'|error| p90':>11}   after scale {self.scale:.2f}: {'error p50':>9} {'|error| p50':>11}"]
         for g in self.groups():
             lines.append(f"{g['kind']:<12} {g['context']:<7} {g['n']:>6} {100 * g['error_p50']:>8.1f}% "
-                         f"{100 * g['abs_error_p50']:>10.1f}% {100 * g['abs_error_p90']:>10.1f}%")
+                         f"{100 * g['abs_error_p50']:>10.1f}% {100 * g['abs_error_p90']:>10.1f}%   "
+                         f"{'':>17} {100 * g['scaled_error_p50']:>8.1f}% {100 * g['scaled_abs_error_p50']:>10.1f}%")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "long_context": self.long_context, "unmatched": self.unmatched,
-                "groups": self.groups(),
+                "scale": self.scale, "groups": self.groups(),
                 "steps": [{"kind": s.kind, "long": s.long, "predicted": s.predicted, "measured": s.measured}
                           for s in self.steps]}
 
