@@ -64,6 +64,8 @@ SETUPS = {
                             (0.2, 60.0), 0.9),
     "h100-llama3-8b-strict": Setup("h100-llama3-8b-strict", "roofline:h100:llama3-8b", 0.025, 1000, 1.0, 7168,
                                    1024, (0.2, 60.0), 0.9),
+    "h100-llama3-8b-15ms": Setup("h100-llama3-8b-15ms", "roofline:h100:llama3-8b", 0.015, 1000, 1.0, 7168,
+                                 1024, (0.2, 60.0), 0.9),
 }
 
 
