@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
+from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, device_kv_budget
+from sarathi_lite.engine.model_runner import ModelRunner, StepResult
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import MetricsRecorder, Stats
@@ -22,7 +22,6 @@ from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.loader import load_model
 from sarathi_lite.scheduler import Request, SchedulerOutput, make_scheduler
-from sarathi_lite.sim.simulator import load_cost_model
 
 logger = logging.getLogger(__name__)
 
@@ -86,19 +85,17 @@ class LLMEngine:
                                  f"({self.dtype}, {self.device})")
             self.model, self.tokenizer = other.model, other.tokenizer
         self.model_config: ModelConfig = self.model.config
-        block_size = config.block_size
-        num_kv_blocks = self._num_kv_blocks(config.num_kv_blocks, config.kv_cache_memory,
-                                            config.gpu_memory_utilization, block_size)
-        max_pos = self.model_config.max_position_embeddings
-        max_model_len = config.max_model_len
-        if max_model_len is None:
-            max_model_len = min(max_pos, num_kv_blocks * block_size)
-        elif max_model_len > max_pos:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-        self.scheduler_config = config.scheduler_config(num_kv_blocks, max_model_len)
+        pool = config.kv_pool(kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype.itemsize),
+                              max_position_embeddings=self.model_config.max_position_embeddings,
+                              kv_cache_memory=self._default_kv_budget())
+        if pool.kv_cache_memory is not None:
+            logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", pool.kv_cache_memory / 2**20,
+                        pool.num_blocks, pool.block_size)
+        max_model_len = pool.max_model_len
+        self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
         self.scheduler = make_scheduler(self.scheduler_config, _predictor(config))
-        self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=num_kv_blocks, device=self.device,
-                                  dtype=self.dtype, attention_backend=config.attention_backend)
+        self.runner = ModelRunner(self.model, block_size=pool.block_size, num_blocks=pool.num_blocks,
+                                  device=self.device, dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
@@ -215,25 +212,16 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
         return None, token_ids
 
-    def _num_kv_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None, utilization: float,
-                       block_size: int) -> int:
-        if num_kv_blocks is not None:
-            return num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model, block_size, self.dtype)
-        if kv_cache_memory is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                # Keep room for activations: (1 - utilization) of the card, at least 1 GiB.
-                kv_cache_memory = int(free - max(total * (1 - utilization), 1 << 30))
-            else:
-                kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
-        blocks = kv_cache_memory // per_block
-        if blocks < 1:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block of {per_block} bytes")
-        logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", kv_cache_memory / 2**20, blocks,
-                    block_size)
-        return int(blocks)
-
+    def _default_kv_budget(self) -> int | None:
+        """The KV pool's byte budget when the options give none: on CUDA what ``gpu_memory_utilization`` leaves
+        of the free memory, on CPU ``DEFAULT_CPU_KV_CACHE_BYTES`` (``None`` when the options size the pool)."""
+        config = self.config
+        if config.num_kv_blocks is not None or config.kv_cache_memory is not None:
+            return None
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return device_kv_budget(free, total, config.gpu_memory_utilization)
+        return DEFAULT_CPU_KV_CACHE_BYTES
 
 def _predictor(config: EngineConfig) -> Any:
     """The step-time model of ``chunk_size="auto"`` (``None`` otherwise): ``config.cost_model`` loaded if it is
@@ -241,6 +229,10 @@ def _predictor(config: EngineConfig) -> Any:
     if config.chunk_size != "auto":
         return None
     if isinstance(config.cost_model, str):
+        # The cost models live in sim/, above the engine; loading one from its spec is the one use the engine
+        # makes of them, at construction, so it imports the loader here rather than at module level.
+        from sarathi_lite.sim.simulator import load_cost_model
+
         return load_cost_model(config.cost_model)
     return config.cost_model
 

@@ -34,12 +34,6 @@ class StepResult:
     sample_time: float = 0.0
 
 
-def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
 class ModelRunner:
     """Owns the paged KV cache and runs the model over one hybrid batch per ``execute`` call.
 

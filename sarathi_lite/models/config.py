@@ -46,6 +46,10 @@ class ModelConfig:
         if not self.layer_windows:
             self.layer_windows = [-1] * self.num_layers
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token holds in the cache, over all layers, at ``dtype_bytes`` per element."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.engine.config import device_kv_budget
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.scheduler import SchedulerOutput
 from sarathi_lite.sim.cost_model import CostModel, StepTiming
@@ -133,15 +134,17 @@ class RooflineCostModel(CostModel):
         self.activation_bytes_per_token = m.num_layers * (4 * m.hidden_size + 2 * q_dim + 2 * kv_dim
                                                           + 3 * m.intermediate_size) * b
         self.attention_flops_per_pair = 4 * m.num_heads * m.head_dim
-        self.kv_bytes_per_token = m.num_layers * 2 * kv_dim * b
+        self.kv_bytes_per_token = m.kv_bytes_per_token(b)
         self.kv_bytes_per_token_layer = 2 * kv_dim * b
         self.qo_bytes_per_token = m.num_layers * 2 * q_dim * b
         # (most keys one query sees, 0 for no limit; number of such layers): HF window W = window_left + 1
         self.window_layers = sorted(Counter(w + 1 if w >= 0 else 0 for w in m.layer_windows).items())
         embedding_bytes = 0 if m.tie_word_embeddings else head_params * b
         self.max_position_embeddings = m.max_position_embeddings
-        self.kv_cache_memory = int(hw.memory - self.weight_bytes - embedding_bytes
-                                   - max(hw.memory * (1 - memory_utilization), 1 << 30))
+        # what the engine's KV pool gets on this device once the weights are loaded (the same kv_pool then
+        # sizes the pool in the simulator)
+        self.kv_cache_memory = device_kv_budget(hw.memory - self.weight_bytes - embedding_bytes, hw.memory,
+                                                memory_utilization)
         if self.kv_cache_memory <= 0:
             raise ValueError(f"{name} ({(self.weight_bytes + embedding_bytes) / 1e9:.1f} GB of weights) leaves no "
                              f"memory for a KV cache on {hw.name}")
