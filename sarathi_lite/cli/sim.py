@@ -46,7 +46,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return _validate(args, cost_model)
     workload = build_workload(args)
     config = engine_config(args, SIM_FIELDS, cost_model=cost_model)  # auto: the cost model picks the budgets
-    options = {f: getattr(config, f) for f in SIM_FIELDS if f not in ("policy", "chunk_size")}
+    options = {f: getattr(config, f) for f in SIM_FIELDS if f not in ("policy", "chunk_size", "cost_model")}
     print(f"workload: {workload.describe()}")
     print(f"cost model: {_describe(cost_model.describe())}")
     if args.capacity:
@@ -143,7 +143,8 @@ def add_sim_parsers(sub: Any) -> None:
                    help="instead: per policy, the highest rate meeting --tbt-slo and --max-scheduling-delay")
     add_capacity_args(g, tbt_required=False, probes=8, probes_help="simulations per policy")
     # num_kv_blocks None: what the engine would allocate on the modelled deployment
-    add_engine_args(s, fields=SIM_FIELDS, exclude=("tbt_slo",))  # --tbt-slo: the capacity flag, also auto's
+    # --tbt-slo is the capacity flag (also auto's target); --cost-model the simulator's own (also auto's model)
+    add_engine_args(s, fields=SIM_FIELDS, exclude=("tbt_slo", "cost_model"))
     s.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("profile", help="time this machine's model runner over batch shapes; save a cost model")

@@ -71,9 +71,10 @@ class EngineConfig:
         "min_chunk_size", "with chunk_size auto: prefill tokens granted every iteration a prompt waits, even past "
         "tbt_slo (so prompts never starve)")
     cost_model: Any = field(default=None, metadata={
-        "type": str, "help": "with chunk_size auto: the step-time model, a profile JSON (sarathi-lite profile) or "
-                             "roofline:HW[:MODEL] (from Python also any object with predict_step_time); every "
-                             "measured step corrects it online"})
+        "type": str, "sim": True,
+        "help": "with chunk_size auto: the step-time model, a profile JSON (sarathi-lite profile) or "
+                "roofline:HW[:MODEL] (from Python also any object with predict_step_time); every measured step "
+                "corrects it online"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks (default: derived from kv_cache_memory, or on CUDA from "
                 "gpu_memory_utilization)"})
