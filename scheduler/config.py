@@ -37,6 +37,10 @@ class SchedulerConfig:
         chunk per iteration is capped at this many tokens (``None``: no prompt is long).
     max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
         a long prompt that this limit holds back.
+    enable_prefix_caching: reuse the KV blocks of a prompt prefix another request has already computed
+        (content-addressed full blocks, see ``sarathi_lite.scheduler.block_manager``): an admitted request
+        starts at the longest cached prefix and computes only the rest. On by default (greedy outputs are
+        the same either way); the paper's policy comparisons turn it off.
     tbt_slo: with ``chunk_size="auto"`` (required then, unused otherwise): the time-between-tokens target,
         seconds per iteration.
     budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take, in (0, 1].
@@ -55,6 +59,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
+    enable_prefix_caching: bool = True
     tbt_slo: float | None = None
     budget_safety: float = 0.9
     min_chunk_size: int = 32
@@ -71,6 +76,8 @@ class SchedulerConfig:
                      "long_prefill_token_threshold"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         self._check_auto_budget()
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")

@@ -62,6 +62,9 @@ class EngineConfig:
         "chunk is capped at it (default: no prompt is long)")
     max_long_partial_prefills: int = _scheduler_option(
         "max_long_partial_prefills", "most long prompts mid-prefill at once")
+    enable_prefix_caching: bool = _scheduler_option(
+        "enable_prefix_caching", "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs "
+        "are the same either way)")
     tbt_slo: float | None = _scheduler_option(
         "tbt_slo", "with chunk_size auto: the time-between-tokens target of every iteration (seconds)")
     budget_safety: float = _scheduler_option(
