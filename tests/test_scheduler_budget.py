@@ -41,8 +41,9 @@ class LinearCost:
 
 
 def auto(cost: LinearCost, policy: str = "sarathi", **kwargs: object) -> Scheduler:
+    # Prefix caching off: the prompts here share their tokens, and cached ones are not prefill work to budget.
     kwargs = {"tbt_slo": 0.05, "block_size": 16, "max_num_seqs": 64, "num_blocks": 4096, "watermark": 0.0,
-              "max_model_len": 2048, **kwargs}
+              "max_model_len": 2048, "enable_prefix_caching": False, **kwargs}
     return make_scheduler(SchedulerConfig(policy=policy, chunk_size="auto", **kwargs), cost)
 
 
