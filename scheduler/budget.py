@@ -95,8 +95,9 @@ class TokenBudget:
     @staticmethod
     def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int) -> SchedulerOutput:
         """``out`` plus the prefill rows ``budget`` tokens would add (token ids and block tables left empty)."""
-        trial = SchedulerOutput(list(out.scheduled), [], out.num_prefill_tokens, out.num_decode_tokens,
-                                out.num_prefills, out.num_decodes)
+        trial = SchedulerOutput(list(out.scheduled), num_prefill_tokens=out.num_prefill_tokens,
+                                num_decode_tokens=out.num_decode_tokens, num_prefills=out.num_prefills,
+                                num_decodes=out.num_decodes)
         for req, n in candidates:
             if budget <= 0:
                 break
