@@ -195,3 +195,22 @@ def test_auto_budget_inputs_are_validated() -> None:
         make_scheduler(SchedulerConfig(chunk_size="auto", tbt_slo=0.2))
     with pytest.raises(ValueError, match="predict_step_time"):
         make_scheduler(SchedulerConfig(chunk_size="auto", tbt_slo=0.2), object())
+
+
+def test_auto_budget_with_head_of_line_protection_keeps_decodes_and_the_slo_beside_a_long_prompt() -> None:
+    cost = LinearCost()
+    sched = auto(cost, tbt_slo=0.1, max_model_len=8192, max_num_batched_tokens=2048)
+    assert sched.config.protects_short_prompts and sched.config.long_threshold == 2048
+    sched.add(Request("long", [5] * 6000, 4))
+    for i in range(12):
+        sched.add(Request(f"s{i}", [6 + i] * 200, 30))
+    target = sched.config.tbt_slo * sched.config.budget_safety
+    steps = 0
+    while sched.has_unfinished():
+        decoding = {r.request_id for r in sched.running if not r.is_prefill}
+        out = step(sched)
+        steps += 1
+        assert steps < 2000
+        assert decoding <= {s.request_id for s in out.scheduled if not s.is_prefill}
+        assert cost.predict_step_time(out) <= target or out.num_prefill_tokens <= 32
+    assert "long" not in sched.requests
