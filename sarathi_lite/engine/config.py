@@ -105,6 +105,9 @@ class EngineConfig:
         "choices": LOAD_FORMATS, "help": "auto: safetensors; dummy: random weights (to benchmark model shapes)"})
     record_batches: bool = field(default=False, metadata={
         "help": "keep every iteration's batch composition in the iteration records"})
+    stats_window: int | None = field(default=None, metadata={
+        "help": "keep the records of only the last this many finished requests and iterations (bounded memory "
+                "for a long-running server; stats() then covers that window; default: keep every record)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -118,7 +121,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, device_kv_budget
+from sarathi_lite.engine.detokenizer import IncrementalDetokenizer
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
-from sarathi_lite.metrics import MetricsRecorder, Stats
+from sarathi_lite.metrics import MetricsRecorder, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.loader import load_model
@@ -36,7 +37,11 @@ class _Entry:
     request: Request
     prompt: str | None
     params: SamplingParams
+    metrics: RequestMetrics
+    detokenizer: IncrementalDetokenizer
     logprobs: list[Any] | None = field(default=None)
+    # EOS and stop tokens the sampler must not pick while fewer than ``min_tokens`` tokens are out
+    banned: tuple[int, ...] = ()
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -100,7 +105,7 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
         self.clock = clock
-        self.metrics = MetricsRecorder(record_batches=config.record_batches)
+        self.metrics = MetricsRecorder(record_batches=config.record_batches, window=config.stats_window)
         self._entries: dict[str, _Entry] = {}
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
@@ -124,14 +129,19 @@ class LLMEngine:
         arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params.max_tokens, stop, arrival)
         self.scheduler.add(request)
-        self._entries[request_id] = _Entry(request, text, params, [] if params.logprobs is not None else None)
-        self.metrics.add(request_id, arrival, len(token_ids))
+        self._entries[request_id] = _Entry(
+            request, text, params, self.metrics.add(request_id, arrival, len(token_ids)),
+            IncrementalDetokenizer(self.tokenizer, request.output_token_ids, params),
+            [] if params.logprobs is not None else None, tuple(sorted(stop)) if params.min_tokens else ())
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request in any state and free its KV blocks. Raises ``ValueError`` for an unknown id."""
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
+        ``"abort"``). Raises ``ValueError`` for an unknown id."""
         self.scheduler.abort(request_id)
         self.metrics.finish(request_id, self.clock(), "abort")
+        entry = self._entries[request_id]
         self._release(request_id)
+        return self._output(entry, [], "")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (e.g. between benchmark runs); returns the blocks dropped."""
@@ -159,8 +169,13 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
             return StepResult({}, {})
-        return self.runner.execute(out, {s.request_id: self._entries[s.request_id].params
-                                         for s in out.scheduled if s.sample})
+        entries = self._entries
+        sampling = [entries[s.request_id] for s in out.scheduled if s.sample]
+        banned = {e.request.request_id: e.banned for e in sampling
+                  if e.banned and len(e.request.output_token_ids) < e.params.min_tokens}
+        params = {e.request.request_id: e.params for e in sampling}
+        # banned only when a request needs it, so code that wraps execute(out, params) to time it keeps working
+        return self.runner.execute(out, params, banned=banned) if banned else self.runner.execute(out, params)
 
     def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
                      ) -> list[RequestOutput]:
@@ -171,22 +186,40 @@ class LLMEngine:
         self.metrics.record_step(out, start, scheduled, end, finished)
         self.scheduler.observe(out, end - start)
         outputs = []
-        for rid in result.tokens:
+        for rid, token in result.tokens.items():
             entry = self._entries.get(rid)
             if entry is None:
                 continue
+            new_logprobs = None
             if entry.logprobs is not None:
-                entry.logprobs.append(result.logprobs.get(rid))
-            outputs.append(self._output(entry))
-        for req in finished:
-            self._release(req.request_id)
+                new_logprobs = [result.logprobs.get(rid)]
+                entry.logprobs.append(new_logprobs[0])
+            req = entry.request
+            text = entry.detokenizer.update(req.finish_reason is not None)
+            if entry.detokenizer.stop_reason is not None and req.finish_reason is None:
+                self._stop_on_string(req, end)
+            outputs.append(self._output(entry, [token], text, new_logprobs))
+            if req.finish_reason is not None:
+                self._release(rid)
         return outputs
 
-    def _output(self, entry: _Entry) -> RequestOutput:
+    def _stop_on_string(self, req: Request, now: float) -> None:
+        """End ``req`` because its text matched a stop string: free its blocks, record ``"stop"``."""
+        self.scheduler.abort(req.request_id)
+        req.finish_reason = "stop"
+        self.metrics.finish(req.request_id, now, "stop")
+
+    def _output(self, entry: _Entry, new_token_ids: list[int], new_text: str,
+                new_logprobs: list[Any] | None = None) -> RequestOutput:
         req = entry.request
-        return RequestOutput(req.request_id, entry.prompt, req.prompt_token_ids, list(req.output_token_ids),
-                             req.finish_reason, self.metrics.requests[req.request_id],
-                             None if entry.logprobs is None else list(entry.logprobs), self.tokenizer)
+        out = RequestOutput(req.request_id, entry.prompt, req.prompt_token_ids, new_token_ids, new_text,
+                            len(req.output_token_ids), req.finish_reason, entry.metrics, new_logprobs,
+                            entry.detokenizer.stop_reason)
+        if req.finish_reason is not None:
+            out.token_ids = req.output_token_ids
+            out.text = entry.detokenizer.text
+            out.logprobs = entry.logprobs
+        return out
 
     def _release(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
@@ -200,9 +233,7 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         """Forget the records of finished requests and all iterations (e.g. after a warm-up)."""
-        live = {rid: m for rid, m in self.metrics.requests.items() if rid in self._entries}
-        self.metrics.requests = live
-        self.metrics.iterations = []
+        self.metrics.reset()
 
     def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -71,8 +71,10 @@ class ModelRunner:
             attn.kv_cache = self.kv_cache[i]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> StepResult:
-        """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens."""
+    def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams],
+                banned: Mapping[str, Sequence[int]] | None = None) -> StepResult:
+        """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens.
+        banned: token ids a request's row must not sample this step (``min_tokens``)."""
         t0 = time.perf_counter()
         scheduled = out.scheduled
         q_lens = [s.num_new_tokens for s in scheduled]
@@ -93,7 +95,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, last))
         t2 = time.perf_counter()
         ids = [scheduled[i].request_id for i in rows]
-        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids])
+        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids], banned)
         return StepResult(dict(zip(ids, tokens)),
                           {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
                           t1 - t0, t2 - t1, time.perf_counter() - t2)

@@ -160,9 +160,9 @@ def calibrate(engine: LLMEngine, *, num_requests: int = 8, seed: int = 0) -> Cal
     execute = runner.execute
     calls: list[tuple[SchedulerOutput, float]] = []
 
-    def timed(out: SchedulerOutput, params: Any) -> Any:
+    def timed(out: SchedulerOutput, params: Any, **options: Any) -> Any:
         t0 = time.perf_counter()
-        result = execute(out, params)
+        result = execute(out, params, **options)
         calls.append((out, time.perf_counter() - t0))
         return result
 
