@@ -147,5 +147,5 @@ def add_bench_parsers(sub: Any) -> None:
     c.add_argument("--out", default="results/capacity")
     c.add_argument("--no-progress", action="store_true")
     add_threads_arg(c)
-    add_engine_args(c)
+    add_engine_args(c, exclude=("tbt_slo",))  # --tbt-slo is the SLO's, and also auto's target
     c.set_defaults(func=cmd_capacity)

@@ -115,7 +115,7 @@ class LLMEngine:
                         pool.num_blocks, pool.block_size)
         max_model_len = pool.max_model_len
         self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
-        self.scheduler = make_scheduler(self.scheduler_config)
+        self.scheduler = make_scheduler(self.scheduler_config, _predictor(config))
         self.runner = ModelRunner(runner_model, block_size=pool.block_size, num_blocks=pool.num_blocks,
                                   device=self.device, dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
@@ -127,7 +127,7 @@ class LLMEngine:
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
-        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %d, max_model_len %d",
+        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %s, max_model_len %d",
                     time.perf_counter() - t0, self.model_path.name, self.device, str(self.dtype).split(".")[-1],
                     config.policy, config.chunk_size, max_model_len)
 
@@ -200,6 +200,7 @@ class LLMEngine:
             return []
         self.metrics.record_step(out, start, scheduled, end, finished, prepare_time=result.prepare_time,
                                  forward_time=result.forward_time, sample_time=result.sample_time)
+        self.scheduler.observe(out, end - start)
         outputs = []
         for rid, token in result.tokens.items():
             entry = self._entries.get(rid)
@@ -279,6 +280,20 @@ def _engine_config(model: str | Path | None, config: EngineConfig | None, option
     if model is not None or options:
         raise TypeError("give either config= or the model and options, not both")
     return config
+
+
+def _predictor(config: EngineConfig) -> Any:
+    """The step-time model of ``chunk_size="auto"`` (``None`` otherwise): ``config.cost_model`` loaded if it is
+    a spec."""
+    if config.chunk_size != "auto":
+        return None
+    if isinstance(config.cost_model, str):
+        # The cost models live in sim/, above the engine; loading one from its spec is the one use the engine
+        # makes of them, at construction, so it imports the loader here rather than at module level.
+        from sarathi_lite.sim.simulator import load_cost_model
+
+        return load_cost_model(config.cost_model)
+    return config.cost_model
 
 
 def _load_tokenizer(path: Path) -> Any:
