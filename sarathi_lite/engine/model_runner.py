@@ -35,16 +35,18 @@ class StepResult:
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block on this rank (a tensor-parallel rank holds only its own KV heads)."""
     cfg = model.config
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return cfg.num_layers * 2 * block_size * model.num_kv_heads * cfg.head_dim * elem
 
 
 class ModelRunner:
     """Owns the paged KV cache and runs the model over one hybrid batch per ``execute`` call.
 
     kv cache: one tensor ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``; layer ``i``'s
-    attention reads and writes its view ``[i]`` (FlashInfer's NHD paged layout).
+    attention reads and writes its view ``[i]`` (FlashInfer's NHD paged layout). ``num_kv_heads`` (and the
+    backends' query heads) are the model's on this rank: a tensor-parallel shard runs the same code on its heads.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, block_size: int, num_blocks: int, device: torch.device,
@@ -53,10 +55,10 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_cache = torch.zeros(cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.kv_cache = torch.zeros(cfg.num_layers, num_blocks, 2, block_size, model.num_kv_heads, cfg.head_dim,
                                     dtype=dtype, device=device)
         self.backends: dict[int, AttentionBackend] = {
-            w: get_attention_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            w: get_attention_backend(attention_backend, model.num_heads, model.num_kv_heads, cfg.head_dim,
                                      window_left=w, device=device, dtype=dtype)
             for w in sorted(set(cfg.layer_windows))
         }
@@ -76,9 +78,23 @@ class ModelRunner:
             attn.backend = self.backends[windows[i]]
             attn.kv_cache = self.kv_cache[i]
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> StepResult:
         """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens."""
+        logits, rows, prepare_time, forward_time = self.forward(out)
+        if logits is None:
+            return StepResult({}, {}, prepare_time, forward_time)
+        t2 = time.perf_counter()
+        ids = [out.scheduled[i].request_id for i in rows]
+        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids])
+        return StepResult(dict(zip(ids, tokens)),
+                          {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
+                          prepare_time, forward_time, time.perf_counter() - t2)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[int], float, float]:
+        """The forward pass of ``out``'s batch: ``(logits [len(rows), vocab] float32, rows, prepare seconds,
+        forward seconds)``, ``rows`` the indices into ``out.scheduled`` that sample. Logits are ``None`` when no
+        row samples, and on tensor-parallel ranks other than 0 (they take part in the same collectives)."""
         t0 = time.perf_counter()
         scheduled = out.scheduled
         q_lens = [s.num_new_tokens for s in scheduled]
@@ -94,12 +110,5 @@ class ModelRunner:
         last = torch.from_numpy(meta.qo_indptr_host[1:][rows].astype(np.int64) - 1).to(self.device)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, meta.positions)
-        if not rows:
-            return StepResult({}, {}, t1 - t0, time.perf_counter() - t1)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        t2 = time.perf_counter()
-        ids = [scheduled[i].request_id for i in rows]
-        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids])
-        return StepResult(dict(zip(ids, tokens)),
-                          {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
-                          t1 - t0, t2 - t1, time.perf_counter() - t2)
+        logits = self.model.compute_logits(hidden.index_select(0, last)) if rows else None
+        return logits, rows, t1 - t0, time.perf_counter() - t1
