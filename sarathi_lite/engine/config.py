@@ -37,6 +37,9 @@ class EngineConfig:
     attention_backend: ``"auto"`` (FlashInfer on CUDA when usable, else torch), ``"torch"``, ``"flashinfer"``.
     load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights, for benchmarking model shapes).
     record_batches: keep every iteration's batch composition in the iteration records.
+    tensor_parallel_size: ranks the model is sharded over (Megatron-style); rank 0 is this process, ranks 1.. are
+        worker processes the engine spawns (or ``torchrun`` launched). Each rank holds 1/N of the weights and KV
+        heads, on ``cuda:<rank>`` on CUDA.
     """
 
     model: str | None = None
@@ -58,6 +61,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     load_format: str = "auto"
     record_batches: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -71,7 +75,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,10 +14,11 @@ from typing import Any
 
 import torch
 
-from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
+from sarathi_lite.engine.config import EngineConfig
+from sarathi_lite.engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
 from sarathi_lite.metrics import MetricsRecorder, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
@@ -59,7 +61,10 @@ class LLMEngine:
     clock: the time source for metrics (seconds).
     share_model_with: another engine of the same checkpoint, dtype and device whose loaded weights (and
     tokenizer) this one reuses instead of loading them again, e.g. to sweep scheduler settings. Each engine
-    keeps its own KV cache and scheduler; do not step them from two threads at once.
+    keeps its own KV cache and scheduler; do not step them from two threads at once (not with tensor parallelism).
+    With ``tensor_parallel_size`` N > 1 the engine starts N - 1 worker processes (``sarathi_lite.engine.worker``);
+    ``shutdown()`` (or dropping the engine) stops them. Scripts that spawn workers need the usual
+    ``if __name__ == "__main__":`` guard of Python's spawn start method.
     """
 
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
@@ -70,12 +75,36 @@ class LLMEngine:
         elif model is not None or options:
             raise TypeError("give either config= or the model and options, not both")
         self.config = config
+        self.clock = clock
         self.model_path = resolve_model(config.model)
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
+        self.workers: WorkerGroup | None = None
+        self._finalizer: Callable[[], Any] | None = None
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            if share_model_with is not None:
+                raise ValueError(f"share_model_with cannot be combined with tensor_parallel_size={tp_size}")
+            check_parallel_config(ModelConfig.from_pretrained(self.model_path), tp_size, self.device)
+            setup = RankSetup.of(config, str(self.model_path), self.dtype, self.device)
+            self.device = setup.device(0)
+            self.workers = WorkerGroup.start(tp_size, setup)
+            self._finalizer = weakref.finalize(self, self.workers.shutdown)
+        try:
+            self._init_model_and_scheduler(config, share_model_with)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %d, max_model_len %d, "
+                    "tensor_parallel_size %d", time.perf_counter() - t0, self.model_path.name, self.device,
+                    str(self.dtype).split(".")[-1], config.policy, config.chunk_size,
+                    self.scheduler_config.max_model_len, tp_size)
+
+    def _init_model_and_scheduler(self, config: EngineConfig, share_model_with: LLMEngine | None) -> None:
         if share_model_with is None:
-            self.model = load_model(self.model_path, self.dtype, self.device, config.load_format)
+            tp = None if self.workers is None else self.workers.tp
+            self.model = load_model(self.model_path, self.dtype, self.device, config.load_format, tp)
             self.tokenizer = _load_tokenizer(self.model_path)
         else:
             other = share_model_with
@@ -86,8 +115,10 @@ class LLMEngine:
             self.model, self.tokenizer = other.model, other.tokenizer
         self.model_config: ModelConfig = self.model.config
         block_size = config.block_size
-        num_kv_blocks = self._num_kv_blocks(config.num_kv_blocks, config.kv_cache_memory,
-                                            config.gpu_memory_utilization, block_size)
+        num_kv_blocks = config.num_kv_blocks or kv_pool_blocks(self.model, block_size, self.dtype, self.device,
+                                                               config.kv_cache_memory, config.gpu_memory_utilization)
+        if self.workers is not None:
+            num_kv_blocks = self.workers.agree_blocks(num_kv_blocks)
         max_pos = self.model_config.max_position_embeddings
         max_model_len = config.max_model_len
         if max_model_len is None:
@@ -101,15 +132,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
-        self.clock = clock
         self.metrics = MetricsRecorder(record_batches=config.record_batches)
         self._entries: dict[str, _Entry] = {}
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
-        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %d, max_model_len %d",
-                    time.perf_counter() - t0, self.model_path.name, self.device, str(self.dtype).split(".")[-1],
-                    config.policy, config.chunk_size, max_model_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -157,8 +184,10 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
             return StepResult({}, {})
-        return self.runner.execute(out, {s.request_id: self._entries[s.request_id].params
-                                         for s in out.scheduled if s.sample})
+        params = {s.request_id: self._entries[s.request_id].params for s in out.scheduled if s.sample}
+        if self.workers is None:
+            return self.runner.execute(out, params)
+        return self.workers.execute(self.runner, out, params)
 
     def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
                      ) -> list[RequestOutput]:
@@ -191,6 +220,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ helpers
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent; also runs when the engine is
+        collected and at interpreter exit). The engine cannot step afterwards."""
+        if self._finalizer is not None:
+            self._finalizer()
+
     def stats(self) -> Stats:
         """Per-request and per-iteration records so far (``summary()``, ``to_pandas()``)."""
         return self.metrics.stats()
@@ -212,25 +247,6 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
         return None, token_ids
-
-    def _num_kv_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None, utilization: float,
-                       block_size: int) -> int:
-        if num_kv_blocks is not None:
-            return num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model, block_size, self.dtype)
-        if kv_cache_memory is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                # Keep room for activations: (1 - utilization) of the card, at least 1 GiB.
-                kv_cache_memory = int(free - max(total * (1 - utilization), 1 << 30))
-            else:
-                kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
-        blocks = kv_cache_memory // per_block
-        if blocks < 1:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block of {per_block} bytes")
-        logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", kv_cache_memory / 2**20, blocks,
-                    block_size)
-        return int(blocks)
 
 
 def _load_tokenizer(path: Path) -> Any:

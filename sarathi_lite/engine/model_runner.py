@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES
 from sarathi_lite.engine.sampler import Sampler
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
@@ -39,6 +40,25 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: to
     cfg = model.config
     elem = torch.empty((), dtype=dtype).element_size()
     return cfg.num_layers * 2 * block_size * model.num_kv_heads * cfg.head_dim * elem
+
+
+def kv_pool_blocks(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device,
+                   kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
+    """KV blocks that fit this rank's budget: ``kv_cache_memory`` bytes, or by default 1 GiB on CPU and on CUDA
+    the card's free memory less ``1 - gpu_memory_utilization`` of it (at least 1 GiB) for activations."""
+    per_block = kv_cache_bytes_per_block(model, block_size, dtype)
+    if kv_cache_memory is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            kv_cache_memory = int(free - max(total * (1 - gpu_memory_utilization), 1 << 30))
+        else:
+            kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+    blocks = kv_cache_memory // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block of {per_block} bytes")
+    logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", kv_cache_memory / 2**20, blocks,
+                block_size)
+    return int(blocks)
 
 
 class ModelRunner:

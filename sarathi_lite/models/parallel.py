@@ -19,6 +19,7 @@ among them). Anything else is refused by ``check_tensor_parallel`` with the numb
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +30,17 @@ from torch import nn
 from sarathi_lite.models.config import ModelConfig
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group: ``rank`` in ``0 .. size - 1``; ``group`` the
-    ``torch.distributed`` process group of the forward pass's collectives (``None``: the default group)."""
+    ``torch.distributed`` process group of the forward pass's collectives (``None``: the default group).
+    comm_seconds: host seconds spent in this rank's collectives so far, waiting for slower ranks included (on
+    CUDA only the launches: NCCL runs asynchronously)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    comm_seconds: float = 0.0
 
     @classmethod
     def single(cls) -> TensorParallel:
@@ -45,16 +49,20 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks in place (a no-op on one rank)."""
         if self.size > 1:
+            t0 = time.perf_counter()
             dist.all_reduce(x, group=self.group)
+            self.comm_seconds += time.perf_counter() - t0
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: the ranks' ``x`` ([M, n] each) concatenated to [M, size * n]; other ranks: ``None``."""
         if self.size == 1:
             return x
+        t0 = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.group)
+        self.comm_seconds += time.perf_counter() - t0
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
 
