@@ -31,12 +31,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(scheduler=args.scheduler, chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, dtype=args.dtype,
-                device=args.device, attention_backend=args.attention_backend)
+                device=args.device, attention_backend=args.attention_backend,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def iteration_table(iterations: Sequence[IterationRecord]) -> str:
