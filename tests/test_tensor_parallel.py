@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 
 from sarathi_lite import LLMEngine
 from sarathi_lite.engine import worker
-from sarathi_lite.models.config import ModelConfig
+from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.models.loader import load_model
-from sarathi_lite.models.parallel import TensorParallel, check_tensor_parallel
+from sarathi_lite.models.parallel import TensorParallel
 from sarathi_lite.scheduler import make_scheduler
 
 from .conftest import TINY, HFReference
@@ -249,3 +249,49 @@ def test_a_killed_worker_makes_rank_0_raise_a_clear_error_not_hang(tp_checkpoint
     engine.shutdown()
     assert mp.active_children() == [] and not dist.is_initialized()
 
+
+
+# ---------------------------------------------------------------- the roofline model at tensor_parallel_size N
+
+
+def _decode_batch(num: int, context: int):
+    from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+
+    out = SchedulerOutput()
+    for i in range(num):
+        out.add(ScheduledRequest(f"d{i}", context, 1, [0], [0], True, False))
+    return out
+
+
+def test_roofline_divides_work_by_n_and_adds_two_all_reduces_per_layer():
+    from sarathi_lite.sim.roofline import RooflineCostModel, hardware, model_shape
+    from sarathi_lite.sim.simulator import load_cost_model
+
+    _, cfg = model_shape("llama3-70b")
+    h100 = hardware("h100")
+    with pytest.raises(ValueError, match="leaves no memory for a KV cache"):
+        RooflineCostModel(cfg, h100)  # 141 GB of bf16 weights on one 80 GB card
+    tp4, tp8 = (RooflineCostModel(cfg, h100, tensor_parallel_size=n) for n in (4, 8))
+    tp16 = RooflineCostModel(cfg, hardware("h200"), tensor_parallel_size=16)
+    assert tp4.flops_per_token == 2 * tp8.flops_per_token
+    assert tp4.kv_bytes_per_token == 2 * tp8.kv_bytes_per_token
+    assert tp8.kv_bytes_per_token == tp16.kv_bytes_per_token  # 8 KV heads: one per rank, then replicated
+    assert tp8.kv_cache_memory > tp4.kv_cache_memory > 0
+    out = _decode_batch(32, 1000)
+    n, layers, hidden = 4, cfg.num_layers, cfg.hidden_size
+    link = h100.interconnect_bandwidth * tp4.bandwidth_efficiency
+    all_reduce = h100.interconnect_latency + 2 * (n - 1) / n * 32 * hidden * 2 / link
+    gather = h100.interconnect_latency + (n - 1) / n * 32 * cfg.vocab_size * 4 / link
+    assert tp4.comm_time(out) == pytest.approx(2 * layers * all_reduce + gather)
+    assert tp4.analyze(out)["comm_time"] == tp4.comm_time(out)
+    a = tp4.analyze(out)
+    assert tp4.predict(out).step_time == pytest.approx(tp4.step_overhead + a["linear_time"] + a["attention_time"]
+                                                       + a["comm_time"])
+    one = RooflineCostModel(model_shape("llama3-8b")[1], h100)
+    assert one.comm_time(out) == 0.0 and one.describe()["tensor_parallel_size"] == 1
+    spec = load_cost_model("roofline:8xh100:llama3-70b")
+    assert spec.tensor_parallel_size == 8 and spec.predict(out) == tp8.predict(out)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=64"):
+        RooflineCostModel(cfg, h100, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="needs an interconnect"):
+        RooflineCostModel(cfg, h100.__class__("bare", 1e15, 3e12, 80e9), tensor_parallel_size=4)

@@ -34,10 +34,10 @@ import torch.multiprocessing as mp
 from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
 from sarathi_lite.engine.sampling_params import SamplingParams
-from sarathi_lite.models.config import ModelConfig
+from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.models.loader import load_model
-from sarathi_lite.models.parallel import TensorParallel, check_tensor_parallel
+from sarathi_lite.models.parallel import TensorParallel
 from sarathi_lite.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -104,3 +104,17 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> lis
         ]
         return [window - 1 if t == "sliding_attention" else -1 for t in types]
     return [-1] * num_layers
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming the numbers when ``cfg`` cannot be split over ``size`` ranks."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer")
+    if cfg.num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={cfg.num_heads}")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv}: one must divide the other "
+                         f"(KV heads are split, or replicated when there are fewer than ranks)")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={cfg.intermediate_size}")

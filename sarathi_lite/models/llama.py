@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sarathi_lite.kernels import AttentionBackend, RotaryEmbedding, fused_add_rms_norm, rms_norm, silu_and_mul
-from sarathi_lite.models.config import ModelConfig
+from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.models.parallel import (
     AttentionShard,
     ColumnParallelLinear,
@@ -20,7 +20,6 @@ from sarathi_lite.models.parallel import (
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
-    check_tensor_parallel,
 )
 
 

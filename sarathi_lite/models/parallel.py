@@ -14,7 +14,7 @@ every layer below an ordinary unsharded layer with no communication, so one mode
 
 Grouped-query attention: with ``num_kv_heads >= size`` each rank holds ``num_kv_heads / size`` KV heads; with
 fewer KV heads than ranks, each KV head is replicated on ``size / num_kv_heads`` ranks (its query heads are split
-among them). Anything else is refused by ``check_tensor_parallel`` with the numbers.
+among them). Anything else is refused by ``check_tensor_parallel`` (``models.config``) with the numbers.
 """
 
 from __future__ import annotations
@@ -64,20 +64,6 @@ class TensorParallel:
         dist.gather(x, parts, dst=0, group=self.group)
         self.comm_seconds += time.perf_counter() - t0
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
-
-
-def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
-    """Raise ``ValueError`` naming the numbers when ``cfg`` cannot be split over ``size`` ranks."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer")
-    if cfg.num_heads % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={cfg.num_heads}")
-    kv = cfg.num_kv_heads
-    if kv % size and size % kv:
-        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv}: one must divide the other "
-                         f"(KV heads are split, or replicated when there are fewer than ranks)")
-    if cfg.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={cfg.intermediate_size}")
 
 
 @dataclass(slots=True, frozen=True)
