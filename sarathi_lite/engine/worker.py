@@ -158,7 +158,7 @@ class WorkerGroup:
     step, watches the workers' health and stops them.
 
     ``WorkerGroup.start`` returns on rank 0 only; under ``torchrun`` a rank other than 0 serves until rank 0
-    shuts down, then raises ``SystemExit(0)``.
+    shuts down, then raises ``SystemExit(0)``. broadcast_seconds: host seconds rank 0 spent sending steps.
     """
 
     def __init__(self, tp: TensorParallel, control: Any, processes: list[Any]) -> None:
@@ -166,6 +166,7 @@ class WorkerGroup:
         self.busy = True  # in a collective the workers may be in too: no stop message then
         self.failed: str | None = None
         self.closed = False
+        self.broadcast_seconds = 0.0
 
     @classmethod
     def start(cls, size: int, setup: RankSetup) -> WorkerGroup:
@@ -238,7 +239,9 @@ class WorkerGroup:
 
     def _step(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams]
               ) -> StepResult:
+        t0 = time.perf_counter()
         dist.broadcast_object_list([out], src=0, group=self.control)
+        self.broadcast_seconds += time.perf_counter() - t0
         return runner.execute(out, params)
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
