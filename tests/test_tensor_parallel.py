@@ -295,3 +295,42 @@ def test_roofline_divides_work_by_n_and_adds_two_all_reduces_per_layer():
         RooflineCostModel(cfg, h100, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="needs an interconnect"):
         RooflineCostModel(cfg, h100.__class__("bare", 1e15, 3e12, 80e9), tensor_parallel_size=4)
+
+
+_RANK0 = """
+import sys, time
+from sarathi_lite import LLMEngine
+if __name__ == "__main__":
+    engine = LLMEngine(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=16, device="cpu", attention_backend="torch")
+    print(engine.workers.processes[0].pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _exited(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_exit_when_rank_0_is_killed(tp_checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank0.py"
+    script.write_text(_RANK0)
+    rank0 = subprocess.Popen([sys.executable, str(script), str(tp_checkpoints["llama"])], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pid = int(rank0.stdout.readline())
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + worker.COLLECTIVE_TIMEOUT  # a bound on lingering, not a speed claim
+    while not _exited(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lingered = not _exited(pid)
+    if lingered:
+        os.kill(pid, signal.SIGKILL)
+    assert not lingered, f"worker {pid} outlived its killed rank 0"

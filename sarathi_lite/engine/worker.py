@@ -143,6 +143,9 @@ def _worker_main(rank: int, size: int, port: int, setup: RankSetup) -> None:
     tp, control = _groups(rank, size, setup.device(rank), store)
     try:
         serve(setup, tp, control)
+    except Exception as e:  # rank 0 is gone, or this rank failed: one line, not a traceback per worker
+        logger.error("tensor-parallel worker rank %d stops: %s", rank, e)
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
 
