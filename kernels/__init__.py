@@ -9,7 +9,14 @@ import logging
 
 import torch
 
-from ._flashinfer import FAST_DTYPES, INSTALL_HINT, flashinfer_available
+from ._flashinfer import (
+    FAST_DTYPES,
+    HEAD_DIMS,
+    INSTALL_HINT,
+    attention_unusable,
+    flashinfer_available,
+    warn_once,
+)
 from .activation import silu_and_mul
 from .backend import AttentionBackend
 from .flashinfer_attention import FlashInferAttention
@@ -41,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 def _flashinfer_missing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why FlashInfer cannot serve ``device``/``dtype`` here, or None if it can."""
+    """Why FlashInfer's attention cannot run on ``device`` in ``dtype`` here, or None if it can."""
     if not torch.cuda.is_available():
         return f"CUDA is not available (torch {torch.__version__})"
     if device.type != "cuda":
@@ -59,20 +66,33 @@ def get_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_
     """Make the attention backend ``name`` for one attention shape.
 
     name: "torch" (TorchPagedAttention, any device), "flashinfer" (FlashInferAttention; raises RuntimeError
-    saying what is missing: CUDA, a CUDA device, a float16/bfloat16 dtype or flashinfer-python), or "auto"
-    (FlashInfer when all of those are present, else torch). An unknown name raises ValueError.
+    saying what is missing: CUDA, a CUDA device, a float16/bfloat16 dtype, flashinfer-python, or its kernels, which
+    must load, prebuilt or compiled by nvcc, and are loaded here; ValueError for a head_dim FlashInfer lacks), or
+    "auto" (FlashInfer when all of those are present and head_dim is one of 64, 128, 256, else torch; a CUDA
+    half-precision setup that falls back for want of kernels or of a head_dim logs one warning). An unknown name
+    raises ValueError.
     scale: softmax scale (default ``head_dim ** -0.5``); window_left: sliding window, -1 for none; device, dtype:
     where and in which dtype q and the KV cache will live.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     device = torch.device(device)
-    missing = None if name == "torch" else _flashinfer_missing(device, dtype)
-    if name == "flashinfer" and missing:
-        raise RuntimeError(f"attention backend 'flashinfer' is unavailable: {missing}. It needs a CUDA device, "
-                           f"float16/bfloat16 and flashinfer-python: {INSTALL_HINT}")
-    if name == "auto" and missing:
-        logger.debug("attention backend 'auto' uses torch: %s", missing)
-    if name == "torch" or missing:
+    if name == "torch":
         return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
+    missing = _flashinfer_missing(device, dtype)
+    if missing and name == "auto":
+        logger.debug("attention backend 'auto' uses torch: %s", missing)
+        return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
+    if not missing and head_dim not in HEAD_DIMS:
+        missing = f"FlashInfer's kernels take head_dim {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
+        if name == "flashinfer":
+            raise ValueError(missing)
+    if not missing:
+        missing = attention_unusable(device, dtype, head_dim, window_left)
+    if name == "auto" and missing:
+        warn_once(f"attention backend 'auto' uses torch: {missing}")
+        return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
+    if missing:
+        raise RuntimeError(f"attention backend 'flashinfer' is unavailable: {missing}. It needs a CUDA device, "
+                           f"float16/bfloat16, flashinfer-python ({INSTALL_HINT}) and its kernels prebuilt or nvcc")
     return FlashInferAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left, device=device, dtype=dtype)

@@ -68,15 +68,30 @@ class RotaryEmbedding:
         self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
         self._cos = self.cos_sin_cache[:, :head_dim // 2].to(dtype)
         self._sin = self.cos_sin_cache[:, head_dim // 2:].to(dtype)
+        self._checked_positions: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int64 (or int32) [N], each < max_position; q: [N, Hq, head_dim]; k: [N, Hkv, head_dim].
+        """positions: int64 (or int32) [N], each in ``0 .. max_position - 1``; q: [N, Hq, head_dim];
+        k: [N, Hkv, head_dim]; positions, q, k and the cache on one device (else ValueError).
 
         Returns the rotated ``(q, k)`` in their dtype. The torch path returns new tensors and matches Hugging
-        Face's ``apply_rotary_pos_emb`` bit for bit; FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``
-        (float16/bfloat16 CUDA tensors) rotates q and k in place and returns them.
+        Face's ``apply_rotary_pos_emb`` bit for bit. FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``
+        (float16/bfloat16 CUDA tensors, its ``rope`` kernels prebuilt or compilable) rotates q and k in place and
+        returns them; it computes in float32 and rounds once, where Hugging Face rounds each product in q's dtype,
+        so the two differ by about one rounding of that dtype. It reads the cache without bounds checks, so a
+        positions tensor is checked against ``max_position`` the first time it is seen (one host sync per step,
+        not per layer: the layers of a step share it); an out-of-range position raises ValueError.
         """
-        if q.stride(-1) == 1 and k.stride(-1) == 1 and use_flashinfer(q, k):
+        if positions.device != q.device or self.cos_sin_cache.device != q.device:
+            raise ValueError(f"positions ({positions.device}) and the cos/sin cache ({self.cos_sin_cache.device}) "
+                             f"must be on q's device ({q.device})")
+        if positions is not self._checked_positions and positions.numel():
+            lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+            if lo < 0 or hi >= self.max_position:
+                raise ValueError(f"positions span {lo} .. {hi}, outside the rotary cache's 0 .. "
+                                 f"{self.max_position - 1}")
+            self._checked_positions = positions
+        if q.stride(-1) == 1 and k.stride(-1) == 1 and use_flashinfer(q, k, module="rope"):
             load_flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(
                 positions, q, k, self.head_dim, self.cos_sin_cache, is_neox=True)
             return q, k

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._flashinfer import flashinfer_available, load_flashinfer
+from ._flashinfer import load_flashinfer, use_flashinfer
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
@@ -22,7 +22,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     Returns int64 [B].
 
     FlashInfer's ``sampling.top_k_top_p_sampling_from_logits`` draws the rows without a generator when logits
-    are on CUDA and flashinfer imports.
+    are on CUDA, flashinfer imports and its ``sampling`` kernels are prebuilt or compilable.
     """
     tokens = logits.argmax(dim=-1)
     sampled = (temperature > 0).nonzero().flatten()
@@ -34,7 +34,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     k = torch.where((k <= 0) | (k >= vocab), vocab, k)
     p = top_p.index_select(0, sampled).float()
     gens = [generators[row] for row in sampled.tolist()]
-    if logits.is_cuda and flashinfer_available() and any(g is None for g in gens):
+    if any(g is None for g in gens) and use_flashinfer(scaled, module="sampling", dtypes=(torch.float32,)):
         free = torch.tensor([i for i, g in enumerate(gens) if g is None], device=logits.device)
         drawn = load_flashinfer().sampling.top_k_top_p_sampling_from_logits(
             scaled[free], k[free].to(torch.int32), p[free])

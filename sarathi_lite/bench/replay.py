@@ -31,6 +31,7 @@ import torch
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.engine.config import default_option
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import CHUNKED_POLICIES, ScheduledRequest, SchedulerOutput
@@ -106,19 +107,21 @@ def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = No
     return BenchResult(config, workload, engine.stats(), meta)
 
 
-def run(workload: Workload, *, policies: Sequence[str] = ("sarathi",), chunk_sizes: Sequence[int] = (256,),
+def run(workload: Workload, *, policies: Sequence[str] = ("sarathi",), chunk_sizes: Sequence[int] | None = None,
         configs: Sequence[tuple[str, int | None]] | None = None, model: str | Path | None = None,
         progress: bool = True, engine: LLMEngine | None = None, **engine_options: Any) -> list[BenchResult]:
     """Replay ``workload`` under every configuration of ``configurations(policies, chunk_sizes)`` (or the
     ``(policy, chunk_size)`` pairs of ``configs``), in that order, each on a fresh engine that shares the loaded
-    weights; returns one result per configuration.
+    weights; returns one result per configuration. chunk_sizes: ``None`` means ``EngineConfig``'s default.
 
     model, engine_options: as for ``LLMEngine`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ``dtype``,
     ``device``, ...). engine: an already loaded engine to take the weights from (``model`` is then unused).
     """
     results = []
     current = engine
-    for policy, chunk in configs if configs is not None else configurations(policies, chunk_sizes):
+    if configs is None:
+        configs = configurations(policies, chunk_sizes or [default_option("chunk_size")])
+    for policy, chunk in configs:
         current = build_engine(model, policy, chunk, current, **engine_options)
         warm_up(current)
         results.append(replay(current, workload, chunk_size=chunk, progress=progress))
@@ -130,25 +133,28 @@ def run(workload: Workload, *, policies: Sequence[str] = ("sarathi",), chunk_siz
 
 def build_engine(model: str | Path | None, policy: str, chunk_size: int | None, share: LLMEngine | None = None,
                  **engine_options: Any) -> LLMEngine:
-    """An engine for one configuration; with ``share``, it reuses that engine's weights (see ``LLMEngine``)."""
+    """An engine for one configuration; with ``share``, it reuses that engine's weights (see ``LLMEngine``).
+    chunk_size: ``None`` (an unchunked policy) leaves ``EngineConfig``'s default."""
     if share is not None:
         model = share.model_path
         engine_options = {"dtype": share.dtype, "device": share.device, **engine_options}
-    return LLMEngine(model, scheduler=policy, chunk_size=chunk_size or 512, share_model_with=share,
-                     **engine_options)
+    if chunk_size is not None:
+        engine_options = {**engine_options, "chunk_size": chunk_size}
+    return LLMEngine(model, scheduler=policy, share_model_with=share, **engine_options)
 
 
 def capacity(workload: Workload, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
-             chunk_size: int = 256, qps_low: float, qps_high: float, num_probes: int = 5,
+             chunk_size: int | None = None, qps_low: float, qps_high: float, num_probes: int = 5,
              model: str | Path | None = None, progress: bool = True, engine: LLMEngine | None = None,
              **engine_options: Any) -> list[CapacityResult]:
-    """Serving capacity of each policy (chunked ones at ``chunk_size``): ``search_capacity`` over
+    """Serving capacity of each policy (chunked ones at ``chunk_size``, default ``EngineConfig``'s):
+    ``search_capacity`` over
     ``[qps_low, qps_high]`` requests/s, each probe a real-time replay of ``workload.at_qps(qps)`` (the same
     requests and lengths, Poisson arrivals from the workload's seed scaled to the rate)."""
     out = []
     current = engine
     for policy in policies:
-        chunk = chunk_size if policy in CHUNKED_POLICIES else None
+        chunk = (chunk_size or default_option("chunk_size")) if policy in CHUNKED_POLICIES else None
         current = build_engine(model, policy, chunk, current, **engine_options)
         warm_up(current)
         probe = _probe(current, workload, chunk, progress)

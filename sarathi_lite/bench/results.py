@@ -194,10 +194,10 @@ def _cell(summary: dict[str, Any], key: str, scale: float | None, fmt: str) -> s
     return fmt.format(value * scale if scale is not None else value)
 
 
-def save_results(results: Sequence[BenchResult], out_dir: str | Path, *, plot: str | None = None) -> list[Path]:
-    """Write each result as ``<label>.json`` and its CSVs (``to_csv``), ``summary.csv`` (one row per result) and,
-    if ``plot`` names a file, ``plots.plot_results``' figure there (last); returns the paths. Labels become file
-    names with ``/`` replaced by ``_``."""
+def save_results(results: Sequence[BenchResult], out_dir: str | Path) -> list[Path]:
+    """Write each result as ``<label>.json`` and its CSVs (``to_csv``) and ``summary.csv`` (one row per result)
+    to ``out_dir``; returns the paths. Labels become file names with ``/`` replaced by ``_``. (The figure:
+    ``sarathi_lite.bench.plots.plot_results``.)"""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -208,10 +208,6 @@ def save_results(results: Sequence[BenchResult], out_dir: str | Path, *, plot: s
         paths += r.to_csv(stem)
     paths.append(out / "summary.csv")
     _write_csv(paths[-1], [r.summary() for r in results])
-    if plot:
-        from sarathi_lite.bench.plots import plot_results
-
-        paths.append(plot_results(results, out / plot))
     return paths
 
 

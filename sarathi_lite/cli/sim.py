@@ -1,11 +1,11 @@
 """``sarathi-lite sim`` and ``sarathi-lite profile``: the simulator from the command line.
 
-sim: the same workload and comparison flags as ``bench`` (``--policies`` x ``--chunk-sizes``), plus
-``--cost-model`` (a profile JSON from ``sarathi-lite profile``, or ``roofline:HW[:MODEL]``); prints the same table,
-writes the same JSON/CSV (and with ``--plot`` a PNG). ``--capacity`` searches each policy's capacity under
-``--tbt-slo`` instead, as ``sarathi-lite capacity`` does. profile: time this machine's model runner over a grid
-of batch shapes and save the fitted cost model (about 1-2 minutes for SmolLM2-135M on 2 CPU cores; ``--quick``
-about a third).
+sim: the same workload and comparison flags as ``bench`` (``--policies`` x ``--chunk-sizes``) and the
+scheduler-side engine flags, plus ``--cost-model`` (a profile JSON from ``sarathi-lite profile``, or
+``roofline:HW[:MODEL]``); prints the same table, writes the same JSON/CSV (and with ``--plot`` a PNG).
+``--capacity`` searches each policy's capacity under ``--tbt-slo`` instead, as ``sarathi-lite capacity`` does.
+profile: time this machine's model runner over a grid of batch shapes and save the fitted cost model
+(``--quick``: about a third of the grid).
 """
 
 from __future__ import annotations
@@ -13,44 +13,54 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sarathi_lite.cli.bench import (
-    _csv,
-    _policies,
+from sarathi_lite.cli.common import (
+    SIM_FIELDS,
     add_capacity_args,
+    add_engine_args,
+    add_sweep_args,
+    add_threads_arg,
     add_workload_args,
+    apply_threads,
     build_workload,
+    engine_config,
+    engine_options,
+    policies,
     save_capacity,
+    save_comparison,
     slo_from_args,
 )
+from sarathi_lite.engine.config import SCHEDULER_FIELDS
+from sarathi_lite.sim import simulator as sim
+from sarathi_lite.sim.cost_model import CostModel
+
+# What profile does not take: the scheduler's settings (it times batches it builds itself, and calibrates at
+# the profiler's own chunk size) and the records' options.
+_PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "record_batches")
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from sarathi_lite.bench.results import compare, save_results
-    from sarathi_lite.sim import simulator as sim
-
     cost_model = sim.load_cost_model(args.cost_model)
     workload = build_workload(args)
-    options = {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
-               "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
+    config = engine_config(args, SIM_FIELDS)
+    options = {f: getattr(config, f) for f in SIM_FIELDS if f not in ("policy", "chunk_size")}
     print(f"workload: {workload.describe()}")
     print(f"cost model: {_describe(cost_model.describe())}")
     if args.capacity:
-        return _capacity(args, sim, cost_model, workload, options)
-    results = sim.run(workload, cost_model, policies=_policies(args), chunk_sizes=args.chunk_sizes or [args.chunk_size],
-                      **options)
+        return _capacity(args, cost_model, workload, config.chunk_size, options)
+    results = sim.run(workload, cost_model, policies=policies(args),
+                      chunk_sizes=args.chunk_sizes or [config.chunk_size], **options)
     wall = sum(r.meta["wall_time"] for r in results)
     print(f"\nsimulated {len(results)} configuration(s) in {wall:.2f} s")
-    print(compare(results))
-    paths = save_results(results, args.out, plot="sim.png" if args.plot else None)
-    print(f"wrote {len(paths)} files to {args.out}" + (f", plot {paths[-1]}" if args.plot else ""))
+    save_comparison(results, args.out, plot="sim.png" if args.plot else None)
     return 0
 
 
-def _capacity(args: argparse.Namespace, sim: Any, cost_model: Any, workload: Any, options: dict[str, Any]) -> int:
+def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Any, chunk_size: int,
+              options: dict[str, Any]) -> int:
     if args.tbt_slo is None:
         raise ValueError("--capacity needs --tbt-slo (seconds)")
     slo = slo_from_args(args)
-    found = sim.capacity(workload, cost_model, slo, policies=_policies(args), chunk_size=args.chunk_size,
+    found = sim.capacity(workload, cost_model, slo, policies=policies(args), chunk_size=chunk_size,
                          qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, **options)
     save_capacity(found, args.out, plot=args.plot)
     return 0
@@ -61,16 +71,14 @@ def _describe(d: dict[str, Any]) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    import torch
-
     from sarathi_lite.sim.profiler import profile
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cost = profile(args.model, quick=args.quick, repeats=args.repeats, max_tokens=args.max_tokens,
+    apply_threads(args)
+    options = engine_options(args)
+    model = options.pop("model", None)
+    cost = profile(model, quick=args.quick, repeats=args.repeats, max_tokens=args.max_tokens,
                    max_context=args.max_context, max_decodes=args.max_decodes, seed=args.seed,
-                   progress=not args.no_progress, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                   dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+                   progress=not args.no_progress, **options)
     meta = cost.meta
     print(f"{meta['machine']}; load average {meta['load_average_start'][0]:.2f} at start; "
           f"{meta['grid']['shapes']} batch shapes in {meta['wall_time']:.0f} s")
@@ -90,8 +98,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def add_sim_parsers(sub: Any) -> None:
     """Add ``sim`` and ``profile`` to the ``sarathi-lite`` subcommands."""
-    from sarathi_lite.scheduler import POLICIES
-
     s = sub.add_parser("sim", help="simulate a workload under several scheduler configurations (no model run)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--cost-model", required=True,
@@ -99,27 +105,18 @@ def add_sim_parsers(sub: Any) -> None:
                         "h200, or NxHW for tensor parallelism over N (e.g. 4xh100); MODEL a preset (llama3-8b, "
                         "llama3-70b, mistral-7b, smollm2-135m) or a config.json / folder")
     add_workload_args(s)
-    s.add_argument("--scheduler", default=None, choices=POLICIES, help="one policy (see --policies)")
-    s.add_argument("--policies", type=_csv(str), default=None,
-                   help=f"comma-separated, of {','.join(POLICIES)} (default: --scheduler, else sarathi,vllm)")
-    s.add_argument("--chunk-size", type=int, default=128, help="token budget per iteration (chunked policies)")
-    s.add_argument("--chunk-sizes", type=_csv(int), default=None,
-                   help="comma-separated chunk sizes for the chunked policies (default: --chunk-size)")
-    s.add_argument("--max-num-seqs", type=int, default=128)
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV pool (default: what the engine would allocate on the modelled deployment)")
-    s.add_argument("--max-model-len", type=int, default=None)
+    add_sweep_args(s)
     s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
     s.add_argument("--plot", action="store_true", help="also write sim.png (capacity.png with --capacity)")
     g = s.add_argument_group("capacity search (--capacity)")
     g.add_argument("--capacity", action="store_true",
                    help="instead: per policy, the highest rate meeting --tbt-slo and --max-scheduling-delay")
     add_capacity_args(g, tbt_required=False, probes=8, probes_help="simulations per policy")
+    # num_kv_blocks None: what the engine would allocate on the modelled deployment
+    add_engine_args(s, fields=SIM_FIELDS)
     s.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("profile", help="time this machine's model runner over batch shapes; save a cost model")
-    p.add_argument("--model", default=None, help="built-in name (default smollm2-135m) or checkpoint folder")
     p.add_argument("--out", default="profile.json", help="where to write the cost model (JSON)")
     p.add_argument("--quick", action="store_true", help="a third of the grid (for notebooks and CI)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch shape (the median counts)")
@@ -127,11 +124,7 @@ def add_sim_parsers(sub: Any) -> None:
     p.add_argument("--max-context", type=int, default=1024, help="longest cached context in the grid (tokens)")
     p.add_argument("--max-decodes", type=int, default=64, help="most decodes in a batch of the grid")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (use the same for bench runs)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
     p.add_argument("--no-progress", action="store_true")
+    add_threads_arg(p)
+    add_engine_args(p, exclude=_PROFILE_EXCLUDES)
     p.set_defaults(func=cmd_profile)

@@ -3,65 +3,78 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.scheduler import SchedulerConfig
+from sarathi_lite.scheduler import POLICIES, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
-# The SchedulerConfig fields an engine passes through unchanged (num_blocks and max_model_len it derives).
-SCHEDULER_FIELDS = ("policy", "chunk_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "watermark",
-                    "max_num_partial_prefills", "long_prefill_token_threshold", "max_long_partial_prefills")
+_SCHEDULER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
+
+
+def _scheduler_option(name: str, help_text: str, **metadata: Any) -> Any:
+    """A field the engine passes to ``SchedulerConfig``, with the scheduler's default (one default per option)."""
+    return field(default=_SCHEDULER_DEFAULTS[name], metadata={"help": help_text, **metadata})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """What an ``LLMEngine`` runs and how. Sizes in tokens unless named otherwise.
+    """What an ``LLMEngine`` runs and how: every engine option, validated, with its one default. Sizes in tokens
+    unless named otherwise; each field's ``metadata["help"]`` says what it means (the CLI's ``--help`` shows it).
 
-    model: a built-in name (``None``: the embedded ``"smollm2-135m"``) or a local Hugging Face checkpoint folder.
-    policy: the scheduler policy (``sarathi``, ``vllm``, ``orca``, ``request_level``, ``simple_chunking``);
-        ``LLM``/``LLMEngine`` take it as ``scheduler=``.
-    chunk_size: token budget per iteration (chunked policies). max_num_seqs: most running requests.
-    max_num_batched_tokens, watermark, max_num_partial_prefills, long_prefill_token_threshold,
-        max_long_partial_prefills: as in ``SchedulerConfig``.
-    block_size: tokens per KV block. num_kv_blocks: KV pool size in blocks; ``None`` derives it from
-        ``kv_cache_memory`` bytes (default 1 GiB on CPU) or, on CUDA, ``gpu_memory_utilization`` of the card.
-    max_model_len: most tokens per request (``None``: the model's ``max_position_embeddings``, capped by the pool).
-    dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
-    device: ``None`` (CUDA when available) or a torch device string.
-    attention_backend: ``"auto"`` (FlashInfer on CUDA when usable, else torch), ``"torch"``, ``"flashinfer"``.
-    load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights, for benchmarking model shapes).
-    record_batches: keep every iteration's batch composition in the iteration records.
-    tensor_parallel_size: ranks the model is sharded over (Megatron-style); rank 0 is this process, ranks 1.. are
-        worker processes the engine spawns (or ``torchrun`` launched). Each rank holds 1/N of the weights and KV
-        heads, on ``cuda:<rank>`` on CUDA.
+    ``LLM``/``LLMEngine`` take ``policy`` as ``scheduler=`` (and so does the CLI: ``--scheduler``). Field metadata
+    read by ``sarathi_lite.cli.common``: ``help``; ``choices``; ``flag`` (the option's name when it is not the
+    field's); ``type`` (a parser from the command-line text, when the annotation's type is not one).
     """
 
-    model: str | None = None
-    policy: str = "sarathi"
-    chunk_size: int = 512
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    watermark: float = 0.01
-    max_num_partial_prefills: int | None = None
-    long_prefill_token_threshold: int | None = None
-    max_long_partial_prefills: int = 1
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    attention_backend: str = "auto"
-    load_format: str = "auto"
-    record_batches: bool = False
-    tensor_parallel_size: int = 1
+    model: str | None = field(default=None, metadata={
+        "help": "a built-in name (default: the embedded smollm2-135m) or a local Hugging Face checkpoint folder"})
+    policy: str = _scheduler_option("policy", "the batching policy", flag="scheduler", choices=POLICIES)
+    chunk_size: int = _scheduler_option(
+        "chunk_size", "token budget per iteration of the chunked policies (sarathi, simple_chunking)")
+    max_num_seqs: int = _scheduler_option("max_num_seqs", "most requests running (holding KV blocks) at once")
+    max_num_batched_tokens: int | None = _scheduler_option(
+        "max_num_batched_tokens",
+        "token budget per iteration of the unchunked policies (default: max(max_model_len, 2048))")
+    block_size: int = _scheduler_option("block_size", "tokens per KV block")
+    watermark: float = _scheduler_option(
+        "watermark", "fraction of the KV pool kept free when admitting a request while others run")
+    max_num_partial_prefills: int | None = _scheduler_option(
+        "max_num_partial_prefills", "most prompts mid-prefill at once (default: no limit beyond max_num_seqs)")
+    long_prefill_token_threshold: int | None = _scheduler_option(
+        "long_prefill_token_threshold", "prompts with more prefill tokens than this are long; a long prompt's "
+        "chunk is capped at it (default: no prompt is long)")
+    max_long_partial_prefills: int = _scheduler_option(
+        "max_long_partial_prefills", "most long prompts mid-prefill at once")
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "KV pool size in blocks (default: derived from kv_cache_memory, or on CUDA from "
+                "gpu_memory_utilization)"})
+    kv_cache_memory: int | None = field(default=None, metadata={
+        "help": "bytes for the KV pool when num_kv_blocks is not given (default: 1 GiB on CPU; on CUDA what "
+                "gpu_memory_utilization leaves)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of the CUDA device's memory the engine may use"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "most tokens per request (default: the model's max_position_embeddings, capped by the KV pool)"})
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPES, "help": "weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU)"})
+    device: str | None = field(default=None, metadata={
+        "help": "a torch device such as cpu or cuda (default: cuda when available)"})
+    attention_backend: str = field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS, "help": "auto: FlashInfer on CUDA when usable, else torch"})
+    load_format: str = field(default="auto", metadata={
+        "choices": LOAD_FORMATS, "help": "auto: safetensors; dummy: random weights (to benchmark model shapes)"})
+    record_batches: bool = field(default=False, metadata={
+        "help": "keep every iteration's batch composition in the iteration records"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the engine spawns "
+                "ranks 1.. as worker processes (or torchrun launched them); each holds 1/N of the weights and KV "
+                "heads, on cuda:<rank> on CUDA"})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -83,6 +96,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
         self.scheduler_config(num_blocks=self.num_kv_blocks, max_model_len=1)
+
+    def kv_pool(self, *, kv_bytes_per_token: int | None, max_position_embeddings: int | None,
+                kv_cache_memory: int | None = None) -> KVPool:
+        """The KV pool and ``max_model_len`` these options give on a deployment: see ``kv_pool``."""
+        return kv_pool(self, kv_bytes_per_token=kv_bytes_per_token, max_position_embeddings=max_position_embeddings,
+                       kv_cache_memory=kv_cache_memory)
 
     def scheduler_config(self, num_blocks: int | None, max_model_len: int) -> SchedulerConfig:
         """The ``SchedulerConfig`` of this engine once its KV pool and ``max_model_len`` are known."""
@@ -108,3 +127,66 @@ class EngineConfig:
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass(slots=True, frozen=True)
+class KVPool:
+    """An engine's KV pool: ``num_blocks`` blocks of ``block_size`` tokens, and the longest request it accepts
+    (``max_model_len``, tokens); ``kv_cache_memory``: the byte budget it was sized from (``None`` when
+    ``num_kv_blocks`` was given)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    kv_cache_memory: int | None = None
+
+
+def device_kv_budget(free_memory: int, total_memory: int, utilization: float) -> int:
+    """Bytes for the KV pool on a device with ``free_memory`` of ``total_memory`` bytes free once the weights
+    are loaded: the rest after keeping ``1 - utilization`` of the device, at least 1 GiB, for activations."""
+    return int(free_memory - max(total_memory * (1 - utilization), 1 << 30))
+
+
+def kv_pool(config: EngineConfig, *, kv_bytes_per_token: int | None, max_position_embeddings: int | None,
+            kv_cache_memory: int | None = None) -> KVPool:
+    """The KV pool and ``max_model_len`` of ``config`` on a deployment, for the engine, the simulator and the
+    roofline model alike (pure: no torch, no device).
+
+    num_blocks: ``config.num_kv_blocks``, else the budget (``config.kv_cache_memory``, else ``kv_cache_memory``:
+    the deployment's default, e.g. ``device_kv_budget`` of a GPU or ``DEFAULT_CPU_KV_CACHE_BYTES``) over
+    ``kv_bytes_per_token * block_size``. max_model_len: ``config.max_model_len``, else
+    ``max_position_embeddings`` (``None``: no limit) capped by the pool's tokens.
+    Raises ``ValueError`` when the budget is unknown or holds no block, or ``max_model_len`` exceeds
+    ``max_position_embeddings``.
+    """
+    block_size = config.block_size
+    budget = None
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        budget = config.kv_cache_memory if config.kv_cache_memory is not None else kv_cache_memory
+        if budget is None or kv_bytes_per_token is None:
+            raise ValueError("the KV memory of this deployment is not known: give num_kv_blocks")
+        per_block = kv_bytes_per_token * block_size
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block of {per_block} bytes")
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        max_model_len = num_blocks * block_size
+        if max_position_embeddings is not None:
+            max_model_len = min(max_position_embeddings, max_model_len)
+    elif max_position_embeddings is not None and max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={max_position_embeddings}")
+    return KVPool(int(num_blocks), block_size, max_model_len, budget)
+
+
+# The SchedulerConfig fields an engine passes through unchanged: every EngineConfig field of the same name
+# (num_blocks and max_model_len it derives from num_kv_blocks and the model).
+SCHEDULER_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                         if f.name in {g.name for g in dataclasses.fields(SchedulerConfig)} - {"max_model_len"})
+
+
+def default_option(name: str) -> Any:
+    """The one default of ``EngineConfig``'s option ``name`` (e.g. ``chunk_size`` where a caller gives none)."""
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
+from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
@@ -114,21 +114,14 @@ class LLMEngine:
                                  f"({self.dtype}, {self.device})")
             self.model, self.tokenizer = other.model, other.tokenizer
         self.model_config: ModelConfig = self.model.config
-        block_size = config.block_size
-        num_kv_blocks = config.num_kv_blocks or kv_pool_blocks(self.model, block_size, self.dtype, self.device,
-                                                               config.kv_cache_memory, config.gpu_memory_utilization)
+        pool = rank_kv_pool(config, self.model_config, self.model.tp.size, self.dtype, self.device)
         if self.workers is not None:
-            num_kv_blocks = self.workers.agree_blocks(num_kv_blocks)
-        max_pos = self.model_config.max_position_embeddings
-        max_model_len = config.max_model_len
-        if max_model_len is None:
-            max_model_len = min(max_pos, num_kv_blocks * block_size)
-        elif max_model_len > max_pos:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-        self.scheduler_config = config.scheduler_config(num_kv_blocks, max_model_len)
+            pool = self.workers.agree_pool(config, pool, self.model_config.max_position_embeddings)
+        max_model_len = pool.max_model_len
+        self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
         self.scheduler = make_scheduler(self.scheduler_config)
-        self.runner = ModelRunner(self.model, block_size=block_size, num_blocks=num_kv_blocks, device=self.device,
-                                  dtype=self.dtype, attention_backend=config.attention_backend)
+        self.runner = ModelRunner(self.model, block_size=pool.block_size, num_blocks=pool.num_blocks,
+                                  device=self.device, dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())

@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES
+from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, KVPool, device_kv_budget
 from sarathi_lite.engine.sampler import Sampler
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
+from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.scheduler import SchedulerOutput
 
@@ -35,30 +36,28 @@ class StepResult:
     sample_time: float = 0.0
 
 
-def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block on this rank (a tensor-parallel rank holds only its own KV heads)."""
-    cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * model.num_kv_heads * cfg.head_dim * elem
+def rank_kv_pool(config: EngineConfig, model_config: ModelConfig, tensor_parallel_size: int, dtype: torch.dtype,
+                 device: torch.device) -> KVPool:
+    """The KV pool ``config`` gives on this rank's ``device`` (whose K/V per token are its own KV heads')."""
+    pool = config.kv_pool(kv_bytes_per_token=model_config.kv_bytes_per_token(dtype.itemsize, tensor_parallel_size),
+                          max_position_embeddings=model_config.max_position_embeddings,
+                          kv_cache_memory=default_kv_budget(config, device))
+    if pool.kv_cache_memory is not None:
+        logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", pool.kv_cache_memory / 2**20,
+                    pool.num_blocks, pool.block_size)
+    return pool
 
 
-def kv_pool_blocks(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device,
-                   kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
-    """KV blocks that fit this rank's budget: ``kv_cache_memory`` bytes, or by default 1 GiB on CPU and on CUDA
-    the card's free memory less ``1 - gpu_memory_utilization`` of it (at least 1 GiB) for activations."""
-    per_block = kv_cache_bytes_per_block(model, block_size, dtype)
-    if kv_cache_memory is None:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            kv_cache_memory = int(free - max(total * (1 - gpu_memory_utilization), 1 << 30))
-        else:
-            kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
-    blocks = kv_cache_memory // per_block
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block of {per_block} bytes")
-    logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", kv_cache_memory / 2**20, blocks,
-                block_size)
-    return int(blocks)
+def default_kv_budget(config: EngineConfig, device: torch.device) -> int | None:
+    """The KV pool's byte budget on ``device`` (this rank's) when the options give none: on CUDA what
+    ``gpu_memory_utilization`` leaves of the free memory, on CPU ``DEFAULT_CPU_KV_CACHE_BYTES`` (``None`` when the
+    options size the pool)."""
+    if config.num_kv_blocks is not None or config.kv_cache_memory is not None:
+        return None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return device_kv_budget(free, total, config.gpu_memory_utilization)
+    return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 class ModelRunner:

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult, kv_pool_blocks
+from sarathi_lite.engine.config import EngineConfig, KVPool
+from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.models.llama import LlamaForCausalLM
@@ -50,24 +50,18 @@ _SHUTDOWN_GRACE = 5.0  # seconds a worker gets to leave by itself before it is t
 
 @dataclass(slots=True)
 class RankSetup:
-    """What every rank needs to build its shard and KV pool (the engine options that concern the model)."""
+    """What every rank needs to build its shard and KV pool: the engine's options, the resolved checkpoint
+    folder, dtype and device type, and rank 0's torch thread count."""
 
+    config: EngineConfig
     model_path: str
     dtype: torch.dtype
     device_type: str
-    load_format: str
-    block_size: int
-    num_kv_blocks: int | None
-    kv_cache_memory: int | None
-    gpu_memory_utilization: float
-    attention_backend: str
     num_threads: int
 
     @classmethod
     def of(cls, config: EngineConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> RankSetup:
-        return cls(model_path, dtype, device.type, config.load_format, config.block_size, config.num_kv_blocks,
-                   config.kv_cache_memory, config.gpu_memory_utilization, config.attention_backend,
-                   torch.get_num_threads())
+        return cls(config, model_path, dtype, device.type, torch.get_num_threads())
 
     def device(self, rank: int) -> torch.device:
         """Rank ``rank``'s device: ``cuda:<local rank>`` on CUDA, else the CPU."""
@@ -113,18 +107,18 @@ def _min_over_ranks(value: int, control: Any) -> int:
 def build_shard(setup: RankSetup, tp: TensorParallel, control: Any) -> tuple[LlamaForCausalLM, int]:
     """This rank's model shard and the KV pool size every rank agrees on: the smallest rank's, in blocks."""
     device = setup.device(tp.rank)
-    model = load_model(setup.model_path, setup.dtype, device, setup.load_format, tp)
-    blocks = setup.num_kv_blocks or kv_pool_blocks(model, setup.block_size, setup.dtype, device,
-                                                   setup.kv_cache_memory, setup.gpu_memory_utilization)
-    return model, _min_over_ranks(blocks, control)
+    model = load_model(setup.model_path, setup.dtype, device, setup.config.load_format, tp)
+    pool = rank_kv_pool(setup.config, model.config, tp.size, setup.dtype, device)
+    return model, _min_over_ranks(pool.num_blocks, control)
 
 
 def serve(setup: RankSetup, tp: TensorParallel, control: Any) -> None:
     """A worker's life: build its shard, then run the forward pass of every step rank 0 broadcasts until it
     broadcasts ``None``."""
     model, blocks = build_shard(setup, tp, control)
-    runner = ModelRunner(model, block_size=setup.block_size, num_blocks=blocks, device=setup.device(tp.rank),
-                         dtype=setup.dtype, attention_backend=setup.attention_backend)
+    runner = ModelRunner(model, block_size=setup.config.block_size, num_blocks=blocks,
+                         device=setup.device(tp.rank), dtype=setup.dtype,
+                         attention_backend=setup.config.attention_backend)
     logger.info("tensor-parallel rank %d of %d ready", tp.rank, tp.size)
     while True:
         message: list[SchedulerOutput | None] = [None]
@@ -224,12 +218,15 @@ class WorkerGroup:
                                f"without it")
                 raise RuntimeError(self.failed)
 
-    def agree_blocks(self, blocks: int) -> int:
-        """Rank 0's side of ``build_shard``: the smallest rank's KV pool, in blocks. The workers are ready for
-        steps after it."""
-        blocks = self._guard(_min_over_ranks, blocks, self.control)
+    def agree_pool(self, config: EngineConfig, pool: KVPool, max_position_embeddings: int) -> KVPool:
+        """Rank 0's side of ``build_shard``: ``pool`` cut to the smallest rank's, in blocks (``max_model_len``
+        derived from it as usual). The workers are ready for steps after it."""
+        blocks = self._guard(_min_over_ranks, pool.num_blocks, self.control)
         self.busy = False
-        return blocks
+        if blocks == pool.num_blocks:
+            return pool
+        return config.replace(num_kv_blocks=blocks).kv_pool(kv_bytes_per_token=None,
+                                                             max_position_embeddings=max_position_embeddings)
 
     def execute(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams]
                 ) -> StepResult:

@@ -46,6 +46,16 @@ class ModelConfig:
         if not self.layer_windows:
             self.layer_windows = [-1] * self.num_layers
 
+    def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
+        """KV heads one of ``tensor_parallel_size`` ranks holds: its share, or one replicated head when there
+        are fewer KV heads than ranks."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V one token holds in the cache of one of ``tensor_parallel_size`` ranks, over all layers,
+        at ``dtype_bytes`` per element."""
+        return self.num_layers * 2 * self.kv_heads_per_rank(tensor_parallel_size) * self.head_dim * dtype_bytes
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type")

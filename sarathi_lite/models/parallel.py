@@ -79,7 +79,7 @@ class AttentionShard:
     @classmethod
     def of(cls, cfg: ModelConfig, tp: TensorParallel) -> AttentionShard:
         num_heads = cfg.num_heads // tp.size
-        num_kv = max(1, cfg.num_kv_heads // tp.size)
+        num_kv = cfg.kv_heads_per_rank(tp.size)
         return cls(num_heads, num_kv, tp.rank * num_heads, tp.rank * cfg.num_kv_heads // tp.size)
 
 

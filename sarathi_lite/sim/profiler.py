@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 
 from sarathi_lite.bench.replay import BatchShape, build_engine, machine, warm_up
 from sarathi_lite.engine.llm_engine import LLMEngine
-from sarathi_lite.engine.model_runner import kv_cache_bytes_per_block
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import SchedulerOutput
 from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
@@ -45,6 +44,9 @@ logger = logging.getLogger(__name__)
 HOLDOUT_EVERY = 5
 JITTER_QUANTILES = 21  # every 5th percentile
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+# The calibration run's chunk size: part of the profiling method (its batches mix chunks and decodes like a
+# serving run's), not an engine option, so the same profile comes out whatever the engine's default.
+CALIBRATION_CHUNK_SIZE = 128
 
 
 def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes: int = 64, quick: bool = False,
@@ -204,7 +206,7 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     """
     wall = time.perf_counter()
     load_start = os.getloadavg()
-    engine = build_engine(model, "sarathi", 128, engine, **engine_options)
+    engine = build_engine(model, "sarathi", CALIBRATION_CHUNK_SIZE, engine, **engine_options)
     warm_up(engine)
     shapes = profile_grid(max_tokens=max_tokens, max_context=max_context, max_decodes=max_decodes, quick=quick,
                           seed=seed)
@@ -216,7 +218,7 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     calibration = calibrate(engine, seed=seed)
     knots = sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})  # the knots some batch measured exactly
     cost, quality = fit_cost_model(terms, runs, holdout(shapes), knots, calibration)
-    per_token = kv_cache_bytes_per_block(engine.model, 1, engine.dtype)
+    per_token = engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
     cost.kv_bytes_per_token = per_token
     cost.kv_cache_memory = cfg.num_blocks * cfg.block_size * per_token
     cost.max_position_embeddings = engine.model_config.max_position_embeddings

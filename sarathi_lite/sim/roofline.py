@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.engine.config import device_kv_budget
 from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.scheduler import SchedulerOutput
 from sarathi_lite.sim.cost_model import CostModel, StepTiming
@@ -149,7 +150,7 @@ class RooflineCostModel(CostModel):
         self.tensor_parallel_size = n
         m, b = model, dtype_bytes
         # per rank: 1/n of the query heads, MLP and vocabulary; KV heads split or replicated
-        q_dim, kv_dim = m.num_heads // n * m.head_dim, max(1, m.num_kv_heads // n) * m.head_dim
+        q_dim, kv_dim = m.num_heads // n * m.head_dim, m.kv_heads_per_rank(n) * m.head_dim
         inter = m.intermediate_size // n
         layer_params = m.hidden_size * (q_dim + 2 * kv_dim) + q_dim * m.hidden_size + 3 * m.hidden_size * inter
         head_params = m.hidden_size * -(-m.vocab_size // n)
@@ -159,15 +160,17 @@ class RooflineCostModel(CostModel):
         self.activation_bytes_per_token = m.num_layers * (4 * m.hidden_size + 2 * q_dim + 2 * kv_dim
                                                           + 3 * inter) * b
         self.attention_flops_per_pair = 4 * m.num_heads // n * m.head_dim
-        self.kv_bytes_per_token = m.num_layers * 2 * kv_dim * b
+        self.kv_bytes_per_token = m.kv_bytes_per_token(b, n)
         self.kv_bytes_per_token_layer = 2 * kv_dim * b
         self.qo_bytes_per_token = m.num_layers * 2 * q_dim * b
         # (most keys one query sees, 0 for no limit; number of such layers): HF window W = window_left + 1
         self.window_layers = sorted(Counter(w + 1 if w >= 0 else 0 for w in m.layer_windows).items())
         embedding_bytes = 0 if m.tie_word_embeddings else head_params * b
         self.max_position_embeddings = m.max_position_embeddings
-        self.kv_cache_memory = int(hw.memory - self.weight_bytes - embedding_bytes
-                                   - max(hw.memory * (1 - memory_utilization), 1 << 30))
+        # what the engine's KV pool gets on this device once the weights are loaded (the same kv_pool then
+        # sizes the pool in the simulator)
+        self.kv_cache_memory = device_kv_budget(hw.memory - self.weight_bytes - embedding_bytes, hw.memory,
+                                                memory_utilization)
         if self.kv_cache_memory <= 0:
             raise ValueError(f"{name} ({(self.weight_bytes + embedding_bytes) / 1e9:.1f} GB of weights) leaves no "
                              f"memory for a KV cache on {hw.name}")

@@ -32,6 +32,7 @@ from typing import Any
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.engine.config import EngineConfig, default_option
 from sarathi_lite.metrics import MetricsRecorder
 from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, make_scheduler
 from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
@@ -54,25 +55,24 @@ def load_cost_model(spec: str | Path) -> CostModel:
     return ProfiledCostModel.load(text)
 
 
-def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *, max_num_seqs: int = 128,
-                     block_size: int = 16, num_kv_blocks: int | None = None, max_model_len: int | None = None,
+def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *,
+                     num_kv_blocks: int | None = None, max_model_len: int | None = None,
                      **options: Any) -> SchedulerConfig:
-    """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment.
+    """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment: the
+    same ``EngineConfig`` and ``kv_pool`` as ``LLMEngine``, with the cost model's KV bytes per token, KV memory
+    and ``max_position_embeddings`` standing for the model and device.
 
-    num_kv_blocks: ``None`` derives it, as ``LLMEngine`` does, from the cost model's KV memory
-    (``kv_cache_memory // (kv_bytes_per_token * block_size)``). max_model_len: ``None`` means the model's
-    ``max_position_embeddings`` capped by the pool. chunk_size: ``None`` (unchunked policies) means 512, as
-    ``bench.build_engine``. options: further ``SchedulerConfig`` fields."""
-    if num_kv_blocks is None:
-        if cost_model.kv_cache_memory is None or cost_model.kv_bytes_per_token is None:
-            raise ValueError("this cost model does not know the KV memory of its deployment: give num_kv_blocks")
-        num_kv_blocks = cost_model.kv_cache_memory // (cost_model.kv_bytes_per_token * block_size)
-    if max_model_len is None:
-        max_model_len = num_kv_blocks * block_size
-        if cost_model.max_position_embeddings is not None:
-            max_model_len = min(cost_model.max_position_embeddings, max_model_len)
-    return SchedulerConfig(policy=policy, chunk_size=chunk_size or 512, max_num_seqs=max_num_seqs,
-                           block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
+    num_kv_blocks: ``None`` derives it from the cost model's KV memory. max_model_len: ``None`` means the model's
+    ``max_position_embeddings`` capped by the pool. chunk_size: ``None`` (unchunked policies) leaves the default,
+    as ``bench.build_engine``. options: further ``EngineConfig`` scheduler fields (``max_num_seqs``,
+    ``block_size``, ...), at their defaults when not given. Raises ``ValueError`` as the engine would."""
+    if chunk_size is not None:
+        options["chunk_size"] = chunk_size
+    config = EngineConfig(policy=policy, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
+    pool = config.kv_pool(kv_bytes_per_token=cost_model.kv_bytes_per_token,
+                          max_position_embeddings=cost_model.max_position_embeddings,
+                          kv_cache_memory=cost_model.kv_cache_memory)
+    return config.scheduler_config(pool.num_blocks, pool.max_model_len)
 
 
 def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *, chunk_size: int | None = None,
@@ -124,24 +124,25 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
 
 
 def run(workload: Workload, cost_model: CostModel, *, policies: Sequence[str] = ("sarathi",),
-        chunk_sizes: Sequence[int] = (256,), configs: Sequence[tuple[str, int | None]] | None = None,
+        chunk_sizes: Sequence[int] | None = None, configs: Sequence[tuple[str, int | None]] | None = None,
         record_batches: bool = False, **config_options: Any) -> list[BenchResult]:
     """Simulate ``workload`` under every configuration of ``configurations(policies, chunk_sizes)`` (or the
     ``(policy, chunk_size)`` pairs of ``configs``), in that order; one result each, as ``bench.run``.
     config_options: as for ``scheduler_config`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ...)."""
-    pairs = configs if configs is not None else configurations(policies, chunk_sizes)
+    pairs = configs if configs is not None else configurations(policies,
+                                                               chunk_sizes or [default_option("chunk_size")])
     return [simulate(workload, cost_model, scheduler_config(cost_model, policy, chunk, **config_options),
                      chunk_size=chunk, record_batches=record_batches) for policy, chunk in pairs]
 
 
 def capacity(workload: Workload, cost_model: CostModel, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
-             chunk_size: int = 256, qps_low: float, qps_high: float, num_probes: int = 8,
+             chunk_size: int | None = None, qps_low: float, qps_high: float, num_probes: int = 8,
              **config_options: Any) -> list[CapacityResult]:
     """Serving capacity of each policy (chunked ones at ``chunk_size``), as ``bench.capacity`` but simulated:
     ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe ``workload.at_qps(qps)``."""
     found = []
     for policy in policies:
-        chunk = chunk_size if policy in CHUNKED_POLICIES else None
+        chunk = (chunk_size or default_option("chunk_size")) if policy in CHUNKED_POLICIES else None
         config = scheduler_config(cost_model, policy, chunk, **config_options)
         found.append(search_capacity(lambda qps, c=config, k=chunk: simulate(workload.at_qps(qps), cost_model, c,
                                                                             chunk_size=k),

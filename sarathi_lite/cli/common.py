@@ -1,0 +1,227 @@
+"""The flags every ``sarathi-lite`` subcommand shares, built from ``EngineConfig`` rather than listed by hand.
+
+``add_engine_args(parser)`` turns each ``EngineConfig`` field into one flag (``chunk_size`` -> ``--chunk-size``)
+with the field's type, choices and help (its ``metadata``), and ``None`` as the flag's default, so the one
+default of each option stays the dataclass's; ``engine_config(args)`` turns the flags that were given back into
+an ``EngineConfig``. A field added to ``EngineConfig`` gets its flag by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.bench.capacity import SLO, CapacityResult
+from sarathi_lite.bench.plots import plot_capacity, plot_results
+from sarathi_lite.bench.results import BenchResult, compare, save_results
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.engine.config import SCHEDULER_FIELDS, EngineConfig
+from sarathi_lite.scheduler import POLICIES
+
+# The fields that shape what the scheduler does, which the simulator models (no model, no device). A field
+# outside the scheduler's that the simulator also reads says so with ``metadata={"sim": True}``.
+SIM_FIELDS = (*SCHEDULER_FIELDS, "num_kv_blocks", "max_model_len",
+              *(f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("sim")
+                and f.name not in SCHEDULER_FIELDS))
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The command-line option of an ``EngineConfig`` field: ``--`` + ``metadata["flag"]`` or the field's name,
+    with dashes."""
+    return "--" + f.metadata.get("flag", f.name).replace("_", "-")
+
+
+def _parser(f: dataclasses.Field, annotation: Any) -> Callable[[str], Any] | None:
+    """How the flag's text becomes a value: ``metadata["type"]``, else the annotation's one non-``None`` type
+    (``int | None`` -> ``int``); ``None`` for ``bool`` (an on/off flag) and ``str``."""
+    if "type" in f.metadata:
+        return f.metadata["type"]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(kinds) != 1:
+            raise TypeError(f"field {f.name}: give metadata['type'] for the annotation {annotation}")
+        annotation = kinds[0]
+    if annotation in (int, float):
+        return annotation
+    if annotation in (str, bool):
+        return None
+    raise TypeError(f"field {f.name}: give metadata['type'] for the annotation {annotation}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, fields: Iterable[str] | None = None,
+                    exclude: Iterable[str] = (), config_class: type = EngineConfig) -> None:
+    """Add one flag per ``EngineConfig`` field (only ``fields`` if given, never those in ``exclude``) to
+    ``parser``, in a group "engine options". Every flag defaults to ``None``: "not given", so ``engine_config``
+    leaves the option at ``EngineConfig``'s default, which the help text shows. config_class: another dataclass
+    whose fields carry the same metadata."""
+    hints = typing.get_type_hints(config_class)
+    wanted = None if fields is None else set(fields)
+    skipped = set(exclude)
+    group = parser.add_argument_group("engine options (EngineConfig)")
+    for f in dataclasses.fields(config_class):
+        if (wanted is not None and f.name not in wanted) or f.name in skipped:
+            continue
+        help_text = f.metadata.get("help", "")
+        if f.default is not None and f.default is not dataclasses.MISSING:
+            help_text += f" (default: {f.default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if hints[f.name] is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kind = _parser(f, hints[f.name])
+            if kind is not None:
+                kwargs["type"] = kind
+            if "choices" in f.metadata:
+                kwargs["choices"] = tuple(f.metadata["choices"])
+        group.add_argument(flag_name(f), **kwargs)
+
+
+def engine_options(args: argparse.Namespace, fields: Iterable[str] | None = None) -> dict[str, Any]:
+    """The ``EngineConfig`` fields given on the command line (those of ``fields`` if given), by field name."""
+    names = [f.name for f in dataclasses.fields(EngineConfig)] if fields is None else list(fields)
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def engine_config(args: argparse.Namespace, fields: Iterable[str] | None = None, **changes: Any) -> EngineConfig:
+    """The ``EngineConfig`` of the flags ``add_engine_args`` added: given ones set, the rest at their defaults;
+    ``changes`` override both. Raises ``ValueError`` naming a bad value."""
+    return EngineConfig(**{**engine_options(args, fields), **changes})
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """``--threads``: torch's CPU threads for the commands that run the model."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's; 1 is steadier on a CPU shared with other work; "
+                             "use the same for profile and bench runs)")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Apply ``--threads`` (imports torch, so only for commands that run the model)."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def csv_of(kind: type) -> Callable[[str], list]:
+    """An argparse type: comma-separated values of ``kind``."""
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",") if x]
+
+    return parse
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags of ``bench``, ``capacity`` and ``sim``."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default="conversation",
+                   help="a built-in trace (conversation, arxiv) or the path of a trace CSV")
+    g.add_argument("--lengths", default=None,
+                   help="synthetic lengths instead of a trace: fixed:P:O | uniform:PMIN-PMAX:OMIN-OMAX | "
+                        "zipf:PMIN-PMAX:OMIN-OMAX[:THETA]")
+    g.add_argument("--num-requests", type=int, default=30)
+    g.add_argument("--start", type=int, default=1000, help="first trace row")
+    g.add_argument("--qps", type=float, default=0.5,
+                   help="Poisson arrivals at this rate (requests/s); 0: the trace's own arrival times")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --qps 0: multiply the trace's arrival times (2 halves the rate)")
+    g.add_argument("--prompt-scale", type=float, default=0.25, help="scale prompt lengths (before clipping)")
+    g.add_argument("--output-scale", type=float, default=0.25, help="scale output lengths (before clipping)")
+    g.add_argument("--max-prompt", type=int, default=1024, help="clip prompt lengths (tokens)")
+    g.add_argument("--max-output", type=int, default=128, help="clip output lengths (tokens)")
+    g.add_argument("--seed", type=int, default=0, help="seed of arrivals, synthetic lengths and prompt tokens")
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The ``Workload`` of ``add_workload_args``' flags."""
+    qps = args.qps or None
+    if args.lengths:
+        return Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps, max_prompt=args.max_prompt,
+                                  max_output=args.max_output, seed=args.seed)
+    return Workload.from_trace(args.trace, num_requests=args.num_requests, start=args.start, qps=qps,
+                               time_scale=args.time_scale, prompt_scale=args.prompt_scale,
+                               output_scale=args.output_scale, max_prompt=args.max_prompt,
+                               max_output=args.max_output, seed=args.seed)
+
+
+def add_sweep_args(p: argparse.ArgumentParser, *, chunk_sizes: bool = True) -> None:
+    """``--policies`` (and ``--chunk-sizes``): the configurations a comparison runs."""
+    p.add_argument("--policies", type=csv_of(str), default=None,
+                   help=f"comma-separated, of {','.join(POLICIES)} (default: --scheduler, else sarathi,vllm)")
+    if chunk_sizes:
+        p.add_argument("--chunk-sizes", type=csv_of(int), default=None,
+                       help="comma-separated chunk sizes for the chunked policies (default: --chunk-size)")
+
+
+def policies(args: argparse.Namespace) -> list[str]:
+    """``--policies``, else ``--scheduler``, else sarathi and vllm. Raises ``ValueError`` for an unknown one."""
+    chosen = args.policies or ([args.policy] if args.policy else ["sarathi", "vllm"])
+    unknown = sorted(set(chosen) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    return chosen
+
+
+def add_capacity_args(g: Any, *, tbt_required: bool, probes: int, probes_help: str) -> None:
+    """The capacity search's flags (SLO, rate range, probes), shared by ``capacity`` and ``sim --capacity``."""
+    g.add_argument("--tbt-slo", type=float, required=tbt_required, default=None, help="P99 TBT bound (seconds)")
+    g.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
+    g.add_argument("--qps-low", type=float, default=0.1)
+    g.add_argument("--qps-high", type=float, default=2.0)
+    g.add_argument("--probes", type=int, default=probes, help=probes_help)
+
+
+def slo_from_args(args: argparse.Namespace) -> SLO:
+    """The ``SLO`` of ``add_capacity_args``' flags, printed."""
+    slo = SLO(args.tbt_slo, args.max_scheduling_delay)
+    print(f"SLO: P99 TBT <= {1000 * slo.tbt_p99:.0f} ms, median scheduling delay <= {slo.scheduling_delay_p50} s")
+    return slo
+
+
+def save_comparison(results: Sequence[BenchResult], out_dir: str | Path, *, plot: str | None = None) -> None:
+    """Print ``compare(results)``, write them (``save_results``) and, if ``plot`` names a file, the
+    ``plot_results`` figure there, to ``out_dir``."""
+    print(compare(results))
+    paths = save_results(results, out_dir)
+    if plot:
+        paths.append(plot_results(results, Path(out_dir) / plot))
+    print(f"wrote {len(paths)} files to {out_dir}" + (f", plot {paths[-1]}" if plot else ""))
+
+
+def save_capacity(found: Sequence[CapacityResult], out_dir: str | Path, *, plot: bool = False) -> None:
+    """Print ``capacity_table(found)``, write ``capacity.json`` (and with ``plot`` ``capacity.png``) to
+    ``out_dir``."""
+    print(capacity_table(found))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
+    written = [out / "capacity.json"]
+    if plot:
+        written.append(plot_capacity(found, out / "capacity.png"))
+    print(f"wrote {', '.join(map(str, written))}")
+
+
+def capacity_table(found: Sequence[CapacityResult]) -> str:
+    """One row per policy: capacity (requests/s), the lowest failing rate, and every probe."""
+    lines = [f"{'config':<14} {'capacity req/s':>14} {'fails at':>9}  probes (req/s: P99 TBT ms, median delay s)"]
+    for c in found:
+        cap = "< range" if c.capacity is None else f"{c.capacity:.3f}"
+        fail = "-" if c.failed_above is None else f"{c.failed_above:.3f}"
+        probes = ", ".join(f"{p.qps:.3f}{'+' if p.passed else 'x'}: {_ms(p.tbt_p99)}/{_s(p.scheduling_delay_p50)}"
+                           for p in c.probes)
+        lines.append(f"{c.label:<14} {cap:>14} {fail:>9}  {probes}")
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1000 * v:.0f}"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
