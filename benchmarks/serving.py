@@ -14,6 +14,10 @@ Steps, each printed as it finishes:
 3. at one load (``--qps``, default: the capacity found for ``sarathi``), every ``--policies`` at ``--chunk-size``
    and ``sarathi`` at every ``--chunk-sizes``.
 
+Prefix caching is off here (the paper's baselines have none): the trace's prompts share no prefix, but under a
+small pool a preempted request would find its own prefix cached and recompute less, which changes the
+comparison.
+
     python benchmarks/serving.py --threads 1        # about 31 minutes on 2 CPU cores
 
 Writes every run's JSON and CSVs under ``--results`` (default results/serving), and the figures,
@@ -40,6 +44,8 @@ from sarathi_lite.bench.replay import build_engine, cost_per_token, machine, run
 from sarathi_lite.bench.replay import capacity as search
 from sarathi_lite.bench.results import BenchResult, compare, compare_markdown, config_label, save_results
 from sarathi_lite.bench.workload import Workload
+
+PAPER = {"enable_prefix_caching": False}  # the paper's five-policy comparison: no prefix cache
 
 
 def parse_args() -> argparse.Namespace:
@@ -141,7 +147,7 @@ def main() -> None:
     log(f"{command}\n{machine()}")
 
     # 1. cost per token and the SLO
-    engine = build_engine(args.model, "sarathi", args.chunk_size)
+    engine = build_engine(args.model, "sarathi", args.chunk_size, **PAPER)
     warm_up(engine)
     cost = cost_per_token(engine, num_tokens=128, context_len=128)
     step = cost_per_token(engine, num_tokens=32, context_len=256).row("decode-only").step_time
@@ -154,7 +160,7 @@ def main() -> None:
     cap_workload = trace_workload(args, args.capacity_requests, 1.0)
     log(f"capacity workload: {cap_workload.describe()} (arrivals re-drawn per probe)")
     found = search(cap_workload, slo, policies=args.capacity_policies.split(","), chunk_size=args.chunk_size,
-                   qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, engine=engine)
+                   qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, engine=engine, **PAPER)
     cap_dir = args.results / "capacity"
     cap_dir.mkdir(parents=True, exist_ok=True)
     for c in found:
@@ -172,7 +178,7 @@ def main() -> None:
     sweep_chunks = [int(c) for c in args.chunk_sizes.split(",")]
     configs = [(p, args.chunk_size if p in ("sarathi", "simple_chunking") else None) for p in policies]
     configs += [("sarathi", c) for c in sweep_chunks if c != args.chunk_size]
-    results = run(workload, configs=configs, engine=engine)
+    results = run(workload, configs=configs, engine=engine, **PAPER)
     save_results(results, args.results / "comparison")
     by_label = {r.label: r for r in results}
     policy_results = [by_label[config_label(p, c)] for p, c in configs[:len(policies)]]

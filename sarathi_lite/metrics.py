@@ -7,7 +7,9 @@ Definitions (following Sarathi-Serve), all times in seconds on one clock:
 - TBT (time between tokens): the gap between consecutive output tokens, one per output token after the first;
   a gap includes any time lost to preemption and recompute;
 - end-to-end latency: arrival to the end of the iteration that sampled its last token;
-- normalized latency: end-to-end latency divided by the number of output tokens.
+- normalized latency: end-to-end latency divided by the number of output tokens;
+- cached prompt tokens: the prompt tokens a request found in the prefix cache when it was first scheduled (its
+  first row starts after them); the prefix-cache hit rate is their sum over the sum of prompt tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """One request's timeline. ``token_times[i]`` is when output token ``i`` became available."""
+    """One request's timeline. ``token_times[i]`` is when output token ``i`` became available.
+    ``num_cached_tokens``: prompt tokens found in the prefix cache at its first scheduling."""
 
     request_id: str
     arrival_time: float
@@ -35,6 +38,7 @@ class RequestMetrics:
     finished_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,7 +70,8 @@ class RequestMetrics:
         tbt = self.tbt
         return {
             "request_id": self.request_id, "arrival_time": self.arrival_time,
-            "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens, "num_cached_tokens": self.num_cached_tokens,
+            "num_output_tokens": self.num_output_tokens,
             "scheduling_delay": self.scheduling_delay, "ttft": self.ttft,
             "tbt_mean": float(np.mean(tbt)) if tbt else None, "tbt_max": max(tbt) if tbt else None,
             "e2e": self.e2e, "normalized_latency": self.normalized_latency,
@@ -79,6 +84,7 @@ class IterationRecord:
     """One iteration (one forward pass): what it held and how long it took.
 
     batch: ``(request_id, num_new_tokens)`` per scheduled request, kept only when the recorder is asked to.
+    num_cached_tokens: prefill tokens that requests admitted in this iteration found in the prefix cache.
     """
 
     index: int
@@ -90,6 +96,7 @@ class IterationRecord:
     num_prefills: int
     num_decodes: int
     num_preempted: int
+    num_cached_tokens: int = 0
     batch: tuple[tuple[str, int], ...] = ()
 
     @property
@@ -140,6 +147,8 @@ class Stats:
         out["throughput_output_tokens_per_s"] = out_tokens / span if span > 0 else None
         out["throughput_tokens_per_s"] = (out_tokens + prompt_tokens) / span if span > 0 else None
         out["num_preemptions"] = sum(r.num_preemptions for r in self.requests)
+        out["cached_prompt_tokens"] = cached = sum(r.num_cached_tokens for r in done)
+        out["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else None
         steps = [it.step_time for it in self.iterations]
         out.update(percentiles(steps, "step_time"))
         return out
@@ -188,6 +197,7 @@ class MetricsRecorder:
                 continue
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = start
+                m.num_cached_tokens = s.num_computed_tokens  # its first row starts after the cached prefix
             if s.sample:
                 if m.first_token_time is None:
                     m.first_token_time = end
@@ -196,7 +206,7 @@ class MetricsRecorder:
             self.finish(req.request_id, end, req.finish_reason)
         self.iterations.append(IterationRecord(
             len(self.iterations), start, end, schedule_end - start, out.num_prefill_tokens, out.num_decode_tokens,
-            out.num_prefills, out.num_decodes, len(out.preempted_ids),
+            out.num_prefills, out.num_decodes, len(out.preempted_ids), out.num_cached_tokens,
             tuple((s.request_id, s.num_new_tokens) for s in out.scheduled) if self.record_batches else ()))
 
     def finish(self, request_id: str, time: float, reason: str | None) -> None:

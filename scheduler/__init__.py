@@ -12,7 +12,7 @@ Pure Python (stdlib only, never torch), so a serving framework or a simulator ca
 """
 
 from .base import Scheduler
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_key
 from .config import CHUNKED_POLICIES, POLICIES, SchedulerConfig
 from .output import ScheduledRequest, SchedulerOutput
 from .policies import (
@@ -26,7 +26,7 @@ from .policies import (
 from .request import Request, RequestStatus
 
 __all__ = [
-    "BlockManager", "CHUNKED_POLICIES", "OrcaScheduler", "POLICIES", "Request", "RequestLevelScheduler",
+    "BlockManager", "CHUNKED_POLICIES", "block_key", "OrcaScheduler", "POLICIES", "Request", "RequestLevelScheduler",
     "RequestStatus", "SarathiScheduler", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SimpleChunkingScheduler", "VLLMScheduler", "make_scheduler",
 ]

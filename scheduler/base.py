@@ -32,7 +32,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -69,6 +69,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_prefill_tokens = n
+        request.num_cached_tokens = request.num_committed_blocks = 0
+        request.block_hashes = []
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -83,6 +85,11 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, "abort")
         return req
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix and zero the hit counters (e.g. between benchmark runs). Blocks that
+        running requests hold stay theirs. Returns the number of cached blocks dropped."""
+        return self.block_manager.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -107,6 +114,8 @@ class Scheduler:
         finished: list[Request] = []
         max_len = self.config.max_model_len
         requests = self.requests
+        bm = self.block_manager
+        caching, bs = bm.enable_caching, bm.block_size
         for s in output.scheduled:  # check before changing anything, so a bad call leaves the state as it was
             if s.sample and sampled.get(s.request_id) is None:
                 req = requests.get(s.request_id)
@@ -118,6 +127,8 @@ class Scheduler:
             if req is None or req.status is not RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            if caching and req.num_computed_tokens >= (req.num_committed_blocks + 1) * bs:
+                bm.commit(req)  # its newly filled blocks are shareable from the next schedule() on
             if not s.sample:
                 continue
             token = sampled[s.request_id]
@@ -149,7 +160,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_committed_blocks = 0
         req.num_prefill_tokens = req.num_tokens
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -157,11 +168,22 @@ class Scheduler:
         waiting.insert(bisect.bisect_left(waiting, req.seq, key=_SEQ), req)
         out.preempted_ids.append(req.request_id)
 
+    def _start_from_prefix(self, req: Request, num_prefix_blocks: int, out: SchedulerOutput) -> None:
+        """Prefix caching: an admitted request's first ``num_prefix_blocks`` blocks are cached, so its prefill
+        starts after them; count the hit for the request (first admission), the iteration and the pool."""
+        hit = num_prefix_blocks * self.block_manager.block_size
+        req.num_computed_tokens = hit
+        req.num_committed_blocks = num_prefix_blocks
+        if not req.num_preemptions:
+            req.num_cached_tokens = hit
+        out.num_cached_tokens += hit
+        self.block_manager.record_admission(req.num_prefill_tokens, hit)
+
     def _schedule_decodes(self, out: SchedulerOutput) -> list[Request]:
         """Give every running decode its one token, preempting from the tail of ``running`` when the pool is
         out of blocks. Returns the running requests that are mid-prefill, in arrival order (not scheduled)."""
         running = self.running
-        free = self.block_manager._free
+        bm = self.block_manager
         bs = self.config.block_size
         add_row = out.scheduled.append
         prefills: list[Request] = []
@@ -176,13 +198,13 @@ class Scheduler:
                 continue
             blocks = req.block_ids
             if computed == len(blocks) * bs:
-                while not free:
+                while not bm.num_free_blocks:
                     self._preempt(running[-1], out)
                     if req.status is not RUNNING:
                         break
                 if req.status is not RUNNING:
                     break
-                blocks.append(free.pop())
+                blocks.append(bm.allocate_one())
             add_row(ScheduledRequest(req.request_id, computed, 1, [req.output_token_ids[-1]], blocks, True, False))
             num_decodes += 1
         out.num_decode_tokens += num_decodes
@@ -237,14 +259,17 @@ class Scheduler:
             if is_long and num_long >= cfg.max_long_partial_prefills:
                 held_back.append(waiting.popleft())
                 continue
-            n = req.num_prefill_tokens
+            prefix = bm.match_prefix(req)  # prefix caching: cached blocks it starts from ([] without)
+            n = req.num_prefill_tokens - len(prefix) * bm.block_size
             if not self.chunked and n > budget - used:
                 break
-            need = bm.blocks_for(n)
-            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0):
+            need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
+            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0, prefix):
                 break
             waiting.popleft()
-            req.block_ids = bm.allocate(need)
+            req.block_ids = bm.allocate(need, prefix)
+            if bm.enable_caching:
+                self._start_from_prefix(req, len(prefix), out)
             req.status = RUNNING
             running = self.running
             if not running or running[-1].seq < req.seq:

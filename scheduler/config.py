@@ -34,6 +34,10 @@ class SchedulerConfig:
         chunk per iteration is capped at this many tokens (``None``: no prompt is long).
     max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
         a long prompt that this limit holds back.
+    enable_prefix_caching: reuse the KV blocks of a prompt prefix another request has already computed
+        (content-addressed full blocks, see ``sarathi_lite.scheduler.block_manager``): an admitted request
+        starts at the longest cached prefix and computes only the rest. On by default (greedy outputs are
+        the same either way); the paper's policy comparisons turn it off.
     """
 
     policy: str = "sarathi"
@@ -47,6 +51,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -57,6 +62,8 @@ class SchedulerConfig:
                      "long_prefill_token_threshold"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
         if self.max_num_batched_tokens is None:

@@ -30,7 +30,11 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """All that one iteration runs, in batch order, and who was preempted to make room."""
+    """All that one iteration runs, in batch order, and who was preempted to make room.
+
+    ``num_cached_tokens``: prefill tokens that requests admitted in this iteration found in the prefix cache
+    (their rows start after them).
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
@@ -38,6 +42,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_prefills: int = 0
     num_decodes: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -20,6 +20,11 @@ class Request:
     ``num_prefill_tokens`` is how many tokens must be computed before the next token is sampled: the prompt
     length on arrival, prompt + outputs after a preemption (recompute). While ``num_computed_tokens`` is below
     it, the request is prefilling; after, it decodes one token per iteration.
+
+    Prefix caching: ``num_cached_tokens`` is how many prompt tokens its first admission found in the prefix
+    cache (not computed by it); ``block_hashes`` holds the content keys of its full blocks so far (see
+    ``block_manager.block_key``); ``num_committed_blocks`` how many of its blocks the cache has seen since it
+    last took blocks.
     """
 
     request_id: str
@@ -35,6 +40,9 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     seq: int = -1  # arrival order within one scheduler; set by Scheduler.add
+    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_committed_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -46,8 +46,8 @@ def test_every_step_runs_exactly_one_forward_pass(engine):
     model = engine.model
     original = model.forward
     model.forward = lambda ids, pos: calls.append(len(ids)) or original(ids, pos)
-    for i, n in enumerate([40, 3, 25]):
-        engine.add_request(f"r{i}", list(range(10, 10 + n)), greedy(4))
+    for i, n in enumerate([40, 3, 25]):  # distinct prompts: no prefix-cache hit shortens the prefills
+        engine.add_request(f"r{i}", list(range(10 + 50 * i, 10 + 50 * i + n)), greedy(4))
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()

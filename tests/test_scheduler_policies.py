@@ -21,6 +21,7 @@ TOKEN = 7  # what the fake model always samples
 
 def make(policy: str = "sarathi", **kwargs: object) -> Scheduler:
     kwargs.setdefault("watermark", 0.0)
+    kwargs.setdefault("enable_prefix_caching", False)  # prompts here share prefixes; the cache: its own tests
     return make_scheduler(SchedulerConfig(policy=policy, **kwargs))
 
 

@@ -7,10 +7,18 @@ reproduce exactly the outputs it would have had without preemption. After every 
 batch (token budget, stall-freedom, rows against the requests' tokens and block tables, FCFS admission) and the
 scheduler's state (block accounting, queues, limits); at the end, every request's outputs and finish reason
 against what the fake model says they must be, and that the KV pool is whole again.
+
+With prefix caching on, prompts share prefixes (a few families of common starts), and the driver also plays
+the KV cache: every scheduled row "writes" its token ids into the slots of its block table, so it checks that
+no row ever writes into a block that is shared or cached, that every running request's computed positions hold
+exactly its tokens (cache hits included), that a cached block holds exactly the tokens its key names (the
+SHA-256 chain, recomputed here from the requests' tokens), and that reference counts match the block tables.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -60,10 +68,14 @@ class RequestSpec:
     max_tokens: int
     stop: frozenset[int]
     arrival_step: int  # added just before this step's schedule()
+    family: int = 0  # prompts of one family share their first ``shared_len`` tokens
+    shared_len: int = 0
 
     @property
     def prompt(self) -> list[int]:
-        return [fake_token(f"{self.request_id}/prompt", j) for j in range(self.prompt_len)]
+        shared = min(self.shared_len, self.prompt_len)
+        return ([fake_token(f"family{self.family}", j) for j in range(shared)]
+                + [fake_token(f"{self.request_id}/prompt", j) for j in range(shared, self.prompt_len)])
 
     def request(self) -> Request:
         return Request(self.request_id, self.prompt, self.max_tokens, stop_token_ids=self.stop)
@@ -95,7 +107,7 @@ class Workload:
 
 
 @st.composite
-def workloads(draw: st.DrawFn, policy: str) -> Workload:
+def workloads(draw: st.DrawFn, policy: str, prefix_caching: bool = False) -> Workload:
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     max_model_len = draw(st.integers(4, 96))
     max_num_seqs = draw(st.integers(1, 8))
@@ -109,6 +121,8 @@ def workloads(draw: st.DrawFn, policy: str) -> Workload:
             max_tokens=draw(st.integers(1, 40)),
             stop=draw(st.frozensets(st.integers(0, VOCAB - 1), max_size=2)),
             arrival_step=draw(st.integers(0, last_arrival)),
+            family=draw(st.integers(0, 2)) if prefix_caching else 0,
+            shared_len=draw(st.integers(0, max_prompt_len)) if prefix_caching else 0,
         ))
     # Every request must fit the pool alone (else add() rejects it); a pool just that big forces preemption.
     needs = [blocks_for(max(min(s.prompt_len + s.max_tokens, max_model_len) - 1, s.prompt_len), block_size)
@@ -134,6 +148,7 @@ def workloads(draw: st.DrawFn, policy: str) -> Workload:
         num_blocks=num_blocks,
         watermark=draw(st.sampled_from([0.0, 0.01, 0.1, 0.25])),
         max_num_partial_prefills=draw(st.none() | st.integers(1, 3)),
+        enable_prefix_caching=prefix_caching,
         **long_prefill,
     )
     aborts = draw(st.lists(st.builds(AbortSpec, st.integers(0, 40), st.booleans(),
@@ -154,6 +169,8 @@ class Trace:
     aborted: dict[str, str] = field(default_factory=dict)  # request id -> "waiting" / "running" / "between"
     finished: dict[str, Request] = field(default_factory=dict)
     first_scheduled: list[str] = field(default_factory=list)
+    cached_tokens: int = 0  # prefill tokens found in the prefix cache at admissions
+    computed_prefill_tokens: int = 0  # prefill tokens scheduled (computed)
 
 
 class Driver:
@@ -170,6 +187,11 @@ class Driver:
         self._last_had_prefill = False
         # request id -> prompt + outputs at its preemption, and the recomputed tokens scheduled since
         self._recompute: dict[str, tuple[list[int], list[int]]] = {}
+        # The stand-in KV cache: the token id each slot of each block holds (None: never written).
+        bs = self.config.block_size
+        self.kv: list[list[int | None]] = [[None] * bs for _ in range(self.config.num_blocks)]
+        self.key_tokens: dict[bytes, list[int]] = {}  # content key -> its block's tokens, from requests' tokens
+        self._chains: dict[str, list[bytes]] = {}  # request id -> its chain of block keys so far
 
     def run(self) -> Trace:
         sched, trace = self.sched, self.trace
@@ -184,6 +206,7 @@ class Driver:
                 spec = pending.pop(0)
                 sched.add(spec.request())
                 self.seq[spec.request_id] = len(self.seq)
+                self._chains[spec.request_id] = []
             for a in aborts[step, False]:
                 self._abort(a, a.state)
             self.check_state()
@@ -212,6 +235,7 @@ class Driver:
         was_running = {r.request_id for r in sched.running}
         out = sched.schedule()
         self.check_output(out, decoding, mid_prefill, was_running)
+        self.write_kv(out)
         sampled = {s.request_id: fake_token(s.request_id, len(sched.requests[s.request_id].output_token_ids))
                    for s in out.scheduled if s.sample}
         for a in between_aborts:
@@ -267,6 +291,7 @@ class Driver:
             assert len(s.block_table) == blocks_for(end, cfg.block_size), "block table does not cover the tokens"
             assert s.block_table == req.block_ids[:len(s.block_table)]
             if s.is_prefill:
+                trace.computed_prefill_tokens += s.num_new_tokens
                 assert s.num_computed_tokens < req.num_prefill_tokens and end <= req.num_prefill_tokens
                 remaining = req.num_prefill_tokens - s.num_computed_tokens
                 long = threshold is not None and req.num_prefill_tokens > threshold
@@ -276,9 +301,13 @@ class Driver:
                     if s.num_new_tokens < min(remaining, cap):
                         assert out.num_batched_tokens >= cfg.chunk_size, "a chunk was cut short of the budget"
                 else:
-                    assert s.num_computed_tokens == 0 and s.num_new_tokens == remaining, "an unchunked prompt split"
+                    assert s.num_computed_tokens == req.num_committed_blocks * cfg.block_size
+                    assert s.num_new_tokens == remaining, "an unchunked prompt split"
                 if s.request_id in self._recompute:
-                    self._recompute[s.request_id][1].extend(s.token_ids)
+                    expected, got = self._recompute[s.request_id]
+                    if not got:  # a recompute may start at a cached prefix: write_kv checks those slots
+                        got.extend(expected[:s.num_computed_tokens])
+                    got.extend(s.token_ids)
                     if s.sample:
                         expected, got = self._recompute.pop(s.request_id)
                         assert got == expected, "recompute after preemption ran other tokens than prompt + outputs"
@@ -310,7 +339,8 @@ class Driver:
         # Prompts in progress (started earlier, or admitted now) stay within the partial-prefill limits.
         if chunked:
             in_progress = [sched.requests[rid] for rid in mid_prefill if rid not in preempted]
-            in_progress += [sched.requests[s.request_id] for s in prefill_rows if s.num_computed_tokens == 0]
+            in_progress += [sched.requests[s.request_id] for s in prefill_rows
+                            if s.request_id not in mid_prefill or s.request_id in preempted]
             assert len(in_progress) <= (cfg.max_num_partial_prefills or cfg.max_num_seqs), "too many partial prefills"
             if threshold is not None:
                 num_long = sum(r.num_prefill_tokens > threshold for r in in_progress)
@@ -339,18 +369,80 @@ class Driver:
             elif policy == "request_level":
                 assert not (prefill_rows and was_running - preempted), "request_level admitted while running"
         self._last_had_prefill = bool(prefill_rows)
+        trace.cached_tokens += out.num_cached_tokens
+        if not cfg.enable_prefix_caching:
+            assert out.num_cached_tokens == 0
+
+    def write_kv(self, out: SchedulerOutput) -> None:
+        """Play the model: write every row's tokens into its slots, never into a block shared or cached, after
+        checking that the context the row attends to (cache hits included) holds the request's tokens."""
+        bm, bs, kv = self.sched.block_manager, self.config.block_size, self.kv
+        for s in out.scheduled:
+            tokens = self.sched.requests[s.request_id].token_ids(0, s.num_computed_tokens)
+            table = s.block_table
+            assert [kv[table[p // bs]][p % bs] for p in range(s.num_computed_tokens)] == tokens, \
+                f"{s.request_id} attends to K/V of other tokens than its own"
+            for j, token in enumerate(s.token_ids):
+                pos = s.num_computed_tokens + j
+                b = table[pos // bs]
+                assert bm.ref_count(b) == 1, f"{s.request_id} writes into block {b}, which another request reads"
+                assert bm.key_of(b) is None, f"{s.request_id} writes into cached block {b}"
+                kv[b][pos % bs] = token
+
+    def _chain(self, req: Request) -> list[bytes]:
+        """The content keys of ``req``'s full blocks of known tokens, by the documented SHA-256 chain."""
+        bs = self.config.block_size
+        chain = self._chains[req.request_id]
+        tokens = req.prompt_token_ids + req.output_token_ids
+        while len(chain) < len(tokens) // bs:
+            i = len(chain)
+            block = tokens[i * bs:(i + 1) * bs]
+            key = hashlib.sha256((chain[-1] if chain else b"") + struct.pack(f"<{bs}q", *block)).digest()
+            chain.append(key)
+            self.key_tokens.setdefault(key, block)
+        return chain
+
+    def check_pool(self) -> None:
+        """Reference counts match the block tables; every block is exactly one of used, free, cached free; a
+        cached block holds exactly the tokens its key names."""
+        cfg, sched = self.config, self.sched
+        bm = sched.block_manager
+        free = bm.free_block_ids()
+        cached_free = bm.cached_free_block_ids()
+        tables = defaultdict(int)
+        for r in sched.requests.values():
+            for b in r.block_ids:
+                tables[b] += 1
+        for b in range(cfg.num_blocks):
+            assert bm.ref_count(b) == tables.get(b, 0) >= 0, f"block {b}: ref count is not its number of tables"
+        assert len(set(free)) == len(free), "a block is free twice"
+        assert not set(free) & set(tables), "a block is both free and referenced"
+        assert len(free) + len(tables) == cfg.num_blocks, "blocks leaked: free + cached free + used != total"
+        assert bm.num_free_blocks == len(free) and bm.num_used_blocks == len(tables)
+        assert set(cached_free) <= set(free)
+        if not cfg.enable_prefix_caching:
+            assert not cached_free and not bm.cached_blocks()
+            assert all(n == 1 for n in tables.values()), "a block is in two block tables"
+        for r in sched.requests.values():
+            self._chain(r)
+        cached = bm.cached_blocks()
+        assert set(cached_free) <= set(cached.values())
+        for key, b in cached.items():
+            assert bm.key_of(b) == key
+            assert key in self.key_tokens, f"block {b} is cached under a key no request's tokens chain to"
+            assert self.kv[b] == self.key_tokens[key], f"cached block {b} does not hold its key's tokens"
+        for b in set(free) - set(cached_free):
+            assert bm.key_of(b) is None
+        for r in sched.running:
+            chain = self._chain(r)
+            for i in range(r.num_computed_tokens // cfg.block_size):
+                key = bm.key_of(r.block_ids[i])
+                assert key is None or key == chain[i], f"{r.request_id}'s block {i} is cached under another prefix"
 
     def check_state(self) -> None:
         """The scheduler's state between steps: queues, limits, and the block pool's accounting."""
         cfg, sched = self.config, self.sched
-        bm = sched.block_manager
-        free = bm.free_block_ids()
-        used = [b for r in sched.requests.values() for b in r.block_ids]
-        assert len(free) + len(used) == cfg.num_blocks, "blocks leaked or double-counted"
-        assert len(set(free)) == len(free), "a block is free twice"
-        assert len(set(used)) == len(used), "a block is in two block tables"
-        assert set(free) | set(used) == set(range(cfg.num_blocks)), "a block is both free and used"
-        assert bm.num_free_blocks == len(free)
+        self.check_pool()
 
         running_ids = [r.request_id for r in sched.running]
         waiting_ids = [r.request_id for r in sched.waiting]
@@ -393,6 +485,7 @@ class Driver:
             assert req.finish_reason == reason
         assert not sched.waiting and not sched.running and not sched.requests
         assert sorted(sched.block_manager.free_block_ids()) == list(range(self.config.num_blocks)), "pool not whole"
+        self.check_pool()
         assert not self._recompute
 
 
@@ -409,6 +502,19 @@ def run(workload: Workload) -> Trace:
 def test_every_policy_keeps_its_invariants_on_random_workloads(policy: str, data: st.DataObject) -> None:
     workload = data.draw(workloads(policy))
     trace = run(workload)
+    event("preemption" if trace.preemptions else "no preemption")
+    for label in set(trace.aborted.values()):
+        event(f"abort {label}")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_every_policy_keeps_its_invariants_with_prefix_caching_on_shared_prefixes(
+        policy: str, data: st.DataObject) -> None:
+    workload = data.draw(workloads(policy, prefix_caching=True))
+    trace = run(workload)
+    event("cache hits" if trace.cached_tokens else "no cache hit")
     event("preemption" if trace.preemptions else "no preemption")
     for label in set(trace.aborted.values()):
         event(f"abort {label}")

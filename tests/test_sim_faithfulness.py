@@ -55,7 +55,8 @@ def scheduler_config(result: BenchResult) -> SchedulerConfig:
     """The real run's scheduler configuration, from its record."""
     c = result.config
     return SchedulerConfig(policy=c["policy"], chunk_size=c["chunk_size"] or 512, max_num_seqs=c["max_num_seqs"],
-                           block_size=c["block_size"], num_blocks=c["num_kv_blocks"], max_model_len=c["max_model_len"])
+                           block_size=c["block_size"], num_blocks=c["num_kv_blocks"], max_model_len=c["max_model_len"],
+                           enable_prefix_caching=c["enable_prefix_caching"])
 
 
 @pytest.fixture(scope="module")

@@ -54,13 +54,14 @@ def machine() -> str:
 
 
 def warm_up(engine: LLMEngine, prompt_len: int = 32, output_len: int = 4) -> None:
-    """Run one short request to completion, then forget its records (``reset_stats``)."""
+    """Run one short request to completion, then forget its records (``reset_stats``) and its cached prefix."""
     vocab = engine.model_config.vocab_size
     engine.add_request(WARMUP_REQUEST_ID, [i % vocab for i in range(1, prompt_len + 1)],
                        SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     engine.reset_stats()
+    engine.reset_prefix_cache()
 
 
 def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = None, progress: bool = True

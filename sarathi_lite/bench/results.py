@@ -55,7 +55,8 @@ def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str | Non
         chunk_size = cfg.chunk_size
     return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
             "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
-            "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len, "model": model, "dtype": dtype,
+            "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len,
+            "enable_prefix_caching": cfg.enable_prefix_caching, "model": model, "dtype": dtype,
             "device": device, "attention_backend": attention_backend}
 
 

@@ -9,12 +9,19 @@ Constructors:
   arrivals from its ``arrived_at`` column (seconds) multiplied by ``time_scale``, or Poisson at ``qps``;
 - ``Workload.synthetic(lengths, ...)``: lengths ``fixed:P:O``, ``uniform:PMIN-PMAX:OMIN-OMAX`` or
   ``zipf:PMIN-PMAX:OMIN-OMAX[:THETA]``, Poisson arrivals at ``qps`` (or all at time 0 without one);
+- ``Workload.conversations(trace, ...)``: multi-turn chats with lengths from a trace, turn k resending turns
+  1 .. k-1 (user messages and replies) before its own message, so each turn's prompt extends the previous one's;
+- ``workload.with_system_prompt(n)``: the same requests, each prompt starting with one shared n-token prompt;
 - ``workload.at_qps(qps)``: the same requests with Poisson arrivals at another rate (capacity search).
+
+Shared prompt content (for prefix caching) is described by each request's ``segments``: named token runs at the
+start of its prompt; a segment name always stands for the same tokens, in every request, process and run.
 
 Lengths are scaled first (``round(n * scale)``, at least 1), then clipped (``max_prompt``, ``max_output``).
 Every random draw comes from ``seed``: Poisson inter-arrival times are drawn once at rate 1 and divided by the
-rate, so two rates of one seed differ only by a time scale. ``prompt_token_ids`` draws each request's prompt from
-``(seed, request id)`` alone, so a request's prompt does not depend on the other requests.
+rate, so two rates of one seed differ only by a time scale. ``prompt_token_ids`` draws each segment's tokens
+from ``(seed, segment name)`` and the rest of a request's prompt from ``(seed, request id)`` alone, so a
+request's prompt does not depend on the other requests.
 """
 
 from __future__ import annotations
@@ -38,22 +45,26 @@ logger = logging.getLogger(__name__)
 _ARRIVALS_STREAM = 1
 _LENGTHS_STREAM = 2
 _PROMPTS_STREAM = 3
+_SEGMENTS_STREAM = 4
 
 
 @dataclass(slots=True, frozen=True)
 class RequestSpec:
     """One request to replay: ``arrival_time`` in seconds after the start of the run, lengths in tokens.
 
-    The output is forced to ``output_len`` tokens (EOS ignored)."""
+    The output is forced to ``output_len`` tokens (EOS ignored). ``segments``: ``(name, num_tokens)`` runs of
+    shared tokens the prompt starts with, in order (at most ``prompt_len`` in all); the rest is its own."""
 
     request_id: str
     arrival_time: float
     prompt_len: int
     output_len: int
+    segments: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         assert self.arrival_time >= 0, f"{self.request_id}: arrival_time={self.arrival_time} < 0"
         assert self.prompt_len >= 1 and self.output_len >= 1, f"{self.request_id}: lengths must be >= 1"
+        assert sum(n for _, n in self.segments) <= self.prompt_len, f"{self.request_id}: segments exceed the prompt"
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,6 +80,10 @@ class Workload:
         assert times == sorted(times), "requests must be sorted by arrival_time"
         ids = [r.request_id for r in self.requests]
         assert len(set(ids)) == len(ids), "request ids must be unique"
+        lengths: dict[str, int] = {}
+        for r in self.requests:
+            for name, n in r.segments:
+                assert lengths.setdefault(name, n) == n, f"segment {name!r} has two lengths"
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -91,18 +106,7 @@ class Workload:
         prompt_scale, output_scale, max_prompt, max_output: scale, then clip, each length (tokens).
         """
         path = trace_path(trace)
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            missing = {"num_prefill_tokens", "num_decode_tokens"} - set(reader.fieldnames or ())
-            if missing:
-                raise ValueError(f"{path}: trace has no column(s) {', '.join(sorted(missing))}")
-            has_times = "arrived_at" in (reader.fieldnames or ())
-            stop = None if num_requests is None else start + num_requests
-            rows = list(itertools.islice(reader, start, stop))
-        if not rows:
-            raise ValueError(f"{path}: no rows from row {start}")
-        if num_requests is not None and len(rows) < num_requests:
-            raise ValueError(f"{path}: asked for {num_requests} rows from row {start}, the trace has {len(rows)}")
+        rows, has_times = _read_trace(path, start, num_requests)
         _check_positive("time_scale", time_scale)
         prompts = _scale_clip([int(r["num_prefill_tokens"]) for r in rows], prompt_scale, max_prompt, "prompt")
         outputs = _scale_clip([int(r["num_decode_tokens"]) for r in rows], output_scale, max_output, "output")
@@ -137,6 +141,57 @@ class Workload:
         return cls._build(arrivals, prompts, outputs, source, seed)
 
     @classmethod
+    def conversations(cls, trace: str | Path = "conversation", *, num_conversations: int, turns: int = 4,
+                      system_prompt: int = 0, qps: float | None = None, turn_gap: float = 10.0, start: int = 0,
+                      prompt_scale: float = 1.0, output_scale: float = 1.0, max_prompt: int | None = None,
+                      max_output: int | None = None, seed: int = 0) -> Workload:
+        """``num_conversations`` chats of ``turns`` turns each, lengths from consecutive trace rows (one row per
+        turn: ``num_prefill_tokens`` is the user's new message, ``num_decode_tokens`` the reply).
+
+        Turn k's prompt is the shared ``system_prompt`` (tokens), then the user messages and replies of turns
+        1 .. k-1, then message k, all as segments, so it extends turn k-1's prompt. A resent reply is a fixed
+        run of tokens of the reply's length, not what the model generated (the replay forces lengths, not
+        content): the cache can serve turn k everything of turn k-1's prompt, never its generated reply.
+        Conversation c starts at a Poisson arrival at ``qps`` conversations/s (all at 0 without), and its turn
+        k arrives ``(k - 1) * turn_gap`` seconds later. prompt_scale, max_prompt: scale, then clip, each
+        message; output_scale, max_output: each reply. Request ids: ``conv-C-turn-K`` (K from 1).
+        """
+        _check_positive("num_conversations", num_conversations)
+        _check_positive("turns", turns)
+        if turn_gap < 0:
+            raise ValueError(f"turn_gap={turn_gap!r} must be >= 0")
+        rows, _ = _read_trace(trace_path(trace), start, num_conversations * turns)
+        messages = _scale_clip([int(r["num_prefill_tokens"]) for r in rows], prompt_scale, max_prompt, "prompt")
+        replies = _scale_clip([int(r["num_decode_tokens"]) for r in rows], output_scale, max_output, "output")
+        starts = np.zeros(num_conversations) if qps is None else poisson_arrivals(num_conversations, qps, seed)
+        width = len(str(num_conversations - 1))
+        specs = []
+        for c in range(num_conversations):
+            history: list[tuple[str, int]] = []
+            for k in range(turns):
+                i = c * turns + k
+                conv = f"conv-{c:0{width}d}"
+                segments = (*history, (f"{conv}/user-{k + 1}", messages[i]))
+                specs.append(RequestSpec(f"{conv}-turn-{k + 1}", float(starts[c] + k * turn_gap),
+                                         sum(n for _, n in segments), replies[i], segments))
+                history = [*segments, (f"{conv}/reply-{k + 1}", replies[i])]
+        specs.sort(key=lambda r: (r.arrival_time, r.request_id))
+        source = {"kind": "conversations", "trace": trace_label(trace), "start": start,
+                  "num_conversations": num_conversations, "turns": turns, "turn_gap": turn_gap,
+                  "arrivals": "offline" if qps is None else "poisson", "qps": qps, "prompt_scale": prompt_scale,
+                  "output_scale": output_scale, "max_prompt": max_prompt, "max_output": max_output}
+        workload = cls(tuple(specs), source, seed)
+        return workload.with_system_prompt(system_prompt) if system_prompt else workload
+
+    def with_system_prompt(self, num_tokens: int) -> Workload:
+        """The same requests, each prompt ``num_tokens`` longer: one shared system prompt in front."""
+        _check_positive("num_tokens", num_tokens)
+        specs = tuple(replace(r, prompt_len=r.prompt_len + num_tokens, segments=(("system", num_tokens),
+                                                                                 *r.segments))
+                      for r in self.requests)
+        return Workload(specs, {**self.source, "system_prompt": num_tokens}, self.seed)
+
+    @classmethod
     def _build(cls, arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int],
                source: dict[str, Any], seed: int) -> Workload:
         order = sorted(range(len(prompts)), key=lambda i: (arrivals[i], i))
@@ -163,10 +218,24 @@ class Workload:
     def prompt_token_ids(self, vocab_size: int, first_id: int = 100) -> list[list[int]]:
         """One prompt per request (in ``requests`` order): ``prompt_len`` token ids drawn uniformly from
         ``[first_id, vocab_size)`` with the seed (ids below ``first_id``, special tokens in most vocabularies,
-        are never drawn; ``first_id`` drops to 0 for vocabularies of at most ``2 * first_id`` ids)."""
+        are never drawn; ``first_id`` drops to 0 for vocabularies of at most ``2 * first_id`` ids): first each
+        segment's tokens (the same wherever the segment appears), then the request's own."""
         low = first_id if vocab_size > 2 * first_id else 0
-        return [np.random.default_rng([self.seed, _PROMPTS_STREAM, zlib.crc32(r.request_id.encode())])
-                .integers(low, vocab_size, r.prompt_len).tolist() for r in self.requests]
+
+        def draw(stream: int, name: str, n: int) -> list[int]:
+            return np.random.default_rng([self.seed, stream, zlib.crc32(name.encode())]).integers(
+                low, vocab_size, n).tolist()
+
+        segments: dict[str, list[int]] = {}
+        prompts = []
+        for r in self.requests:
+            prompt: list[int] = []
+            for name, n in r.segments:
+                if name not in segments:
+                    segments[name] = draw(_SEGMENTS_STREAM, name, n)
+                prompt += segments[name]
+            prompts.append(prompt + draw(_PROMPTS_STREAM, r.request_id, r.prompt_len - len(prompt)))
+        return prompts
 
     @property
     def duration(self) -> float:
@@ -191,19 +260,42 @@ class Workload:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``source``, ``seed`` and the requests as columns."""
         rs = self.requests
-        return {"source": dict(self.source), "seed": self.seed,
-                "requests": {"request_id": [r.request_id for r in rs], "arrival_time": [r.arrival_time for r in rs],
-                             "prompt_len": [r.prompt_len for r in rs], "output_len": [r.output_len for r in rs]}}
+        cols: dict[str, list[Any]] = {
+            "request_id": [r.request_id for r in rs], "arrival_time": [r.arrival_time for r in rs],
+            "prompt_len": [r.prompt_len for r in rs], "output_len": [r.output_len for r in rs]}
+        if any(r.segments for r in rs):
+            cols["segments"] = [[list(s) for s in r.segments] for r in rs]
+        return {"source": dict(self.source), "seed": self.seed, "requests": cols}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Workload:
         cols = d["requests"]
-        specs = tuple(RequestSpec(*row) for row in zip(cols["request_id"], cols["arrival_time"], cols["prompt_len"],
-                                                        cols["output_len"]))
+        segments = cols.get("segments") or [()] * len(cols["request_id"])
+        specs = tuple(RequestSpec(*row, tuple((str(name), int(n)) for name, n in segs))
+                      for *row, segs in zip(cols["request_id"], cols["arrival_time"], cols["prompt_len"],
+                                            cols["output_len"], segments))
         return cls(specs, dict(d.get("source", {})), int(d.get("seed", 0)))
 
 
 # ---------------------------------------------------------------------- building blocks
+
+
+def _read_trace(path: Path, start: int, num_requests: int | None) -> tuple[list[dict[str, str]], bool]:
+    """Rows ``start .. start + num_requests`` of a trace CSV (all from ``start`` for ``None``) and whether it
+    has arrival times. Raises ``ValueError`` for missing columns or too few rows."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"num_prefill_tokens", "num_decode_tokens"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}: trace has no column(s) {', '.join(sorted(missing))}")
+        has_times = "arrived_at" in (reader.fieldnames or ())
+        stop = None if num_requests is None else start + num_requests
+        rows = list(itertools.islice(reader, start, stop))
+    if not rows:
+        raise ValueError(f"{path}: no rows from row {start}")
+    if num_requests is not None and len(rows) < num_requests:
+        raise ValueError(f"{path}: asked for {num_requests} rows from row {start}, the trace has {len(rows)}")
+    return rows, has_times
 
 
 def poisson_arrivals(n: int, qps: float, seed: int) -> np.ndarray:

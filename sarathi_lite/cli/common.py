@@ -136,18 +136,31 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt", type=int, default=1024, help="clip prompt lengths (tokens)")
     g.add_argument("--max-output", type=int, default=128, help="clip output lengths (tokens)")
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, synthetic lengths and prompt tokens")
+    g.add_argument("--system-prompt", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N-token system prompt (prefix caching)")
+    g.add_argument("--turns", type=int, default=None, metavar="K",
+                   help="multi-turn chats of K turns from the trace, turn k resending turns 1..k-1; "
+                        "--num-requests then counts conversations and --qps their starts")
+    g.add_argument("--turn-gap", type=float, default=10.0, help="seconds between a chat's turns (--turns)")
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
     """The ``Workload`` of ``add_workload_args``' flags."""
     qps = args.qps or None
-    if args.lengths:
-        return Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps, max_prompt=args.max_prompt,
-                                  max_output=args.max_output, seed=args.seed)
-    return Workload.from_trace(args.trace, num_requests=args.num_requests, start=args.start, qps=qps,
-                               time_scale=args.time_scale, prompt_scale=args.prompt_scale,
-                               output_scale=args.output_scale, max_prompt=args.max_prompt,
-                               max_output=args.max_output, seed=args.seed)
+    if args.turns:
+        workload = Workload.conversations(args.trace, num_conversations=args.num_requests, turns=args.turns,
+                                          qps=qps, turn_gap=args.turn_gap, start=args.start,
+                                          prompt_scale=args.prompt_scale, output_scale=args.output_scale,
+                                          max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
+    elif args.lengths:
+        workload = Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=qps,
+                                      max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
+    else:
+        workload = Workload.from_trace(args.trace, num_requests=args.num_requests, start=args.start, qps=qps,
+                                       time_scale=args.time_scale, prompt_scale=args.prompt_scale,
+                                       output_scale=args.output_scale, max_prompt=args.max_prompt,
+                                       max_output=args.max_output, seed=args.seed)
+    return workload.with_system_prompt(args.system_prompt) if args.system_prompt else workload
 
 
 def add_sweep_args(p: argparse.ArgumentParser, *, chunk_sizes: bool = True) -> None:

@@ -51,6 +51,9 @@ class EngineConfig:
         "chunk is capped at it (default: no prompt is long)")
     max_long_partial_prefills: int = _scheduler_option(
         "max_long_partial_prefills", "most long prompts mid-prefill at once")
+    enable_prefix_caching: bool = _scheduler_option(
+        "enable_prefix_caching", "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs "
+        "are the same either way)")
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks (default: derived from kv_cache_memory, or on CUDA from "
                 "gpu_memory_utilization)"})

@@ -72,6 +72,10 @@ class LLM:
                    for c in conversations]
         return self.generate([tok(p, add_special_tokens=False).input_ids for p in prompts], params, use_tqdm)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix; returns the KV blocks dropped (see ``LLMEngine``)."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> Stats:
         """Per-request and per-iteration records of everything this ``LLM`` ran."""
         return self.engine.stats()

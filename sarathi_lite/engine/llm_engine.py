@@ -155,6 +155,10 @@ class LLMEngine:
         self.metrics.finish(request_id, self.clock(), "abort")
         self._release(request_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (e.g. between benchmark runs); returns the blocks dropped."""
+        return self.scheduler.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -12,7 +12,8 @@ class RequestOutput:
 
     token_ids: output tokens so far. text: their decoded text (decoded on first access).
     finished / finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (``max_tokens`` or
-    ``max_model_len``), ``"abort"``. metrics: the request's timeline (``ttft``, ``tbt``, ``e2e`` in seconds).
+    ``max_model_len``), ``"abort"``. metrics: the request's timeline (``ttft``, ``tbt``, ``e2e`` in seconds) and
+    ``num_cached_tokens``, the prompt tokens served from the prefix cache.
     logprobs: per output token, ``(sampled token's logprob, {token_id: logprob} of the top alternatives)`` when
     ``SamplingParams.logprobs`` is set, else ``None``.
     """

@@ -39,6 +39,9 @@ from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
 from sarathi_lite.sim.roofline import roofline
 
 ROOFLINE_PREFIX = "roofline:"
+# Prompt token ids matter only to the prefix cache, through which of them are equal: the simulator draws them
+# from the workload (as the replay does) over this vocabulary.
+PROMPT_VOCAB = 32768
 
 
 def load_cost_model(spec: str | Path) -> CostModel:
@@ -79,7 +82,9 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
              record_batches: bool = False, seed: int = 0) -> BenchResult:
     """Serve ``workload`` under ``config`` on a simulated clock (seconds from 0) and return what it recorded.
 
-    Every request produces exactly its ``output_len`` tokens (as the real replay forces them). chunk_size:
+    Every request produces exactly its ``output_len`` tokens (as the real replay forces them). With prefix
+    caching, prompts are ``workload.prompt_token_ids(PROMPT_VOCAB)``, so shared prefixes hit as in a replay
+    (without, their ids do not matter and are not drawn). chunk_size:
     recorded in the configuration (default: ``config.chunk_size`` for chunked policies, else ``None``).
     record_batches: keep every iteration's ``(request_id, num_new_tokens)`` rows, as the engine's option.
     seed: of the cost model's random draws, if it makes any (``cost_model.reset(seed)`` runs first).
@@ -91,6 +96,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     scheduler = make_scheduler(config)
     metrics = MetricsRecorder(record_batches=record_batches)
     specs = workload.requests
+    prompts = workload.prompt_token_ids(PROMPT_VOCAB) if config.enable_prefix_caching else None
     no_stop: frozenset[int] = frozenset()
     start_time, predict, schedule, update = cost_model.start_time, cost_model.predict, scheduler.schedule, \
         scheduler.update
@@ -103,7 +109,8 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
         start = start_time(ready)
         while nxt < n and specs[nxt].arrival_time <= start:
             spec = specs[nxt]
-            add_request(Request(spec.request_id, [0] * spec.prompt_len, spec.output_len, no_stop, spec.arrival_time))
+            add_request(Request(spec.request_id, prompts[nxt] if prompts else [0] * spec.prompt_len,
+                                spec.output_len, no_stop, spec.arrival_time))
             add_metrics(spec.request_id, spec.arrival_time, spec.prompt_len)
             nxt += 1
         out = schedule()
