@@ -198,6 +198,12 @@ def test_tp2_greedy_matches_tp1_and_hf_for_sarathi_and_vllm_chunks_7_and_64_with
                     assert all(abs(a - b) <= LOGPROB_ATOL for a, b in zip(logprobs[:same], logprobs1[:same]))
                     exact += tokens == tokens1
                 assert exact >= len(work) - 1, (policy, chunk_size, exact)
+        # a prompt again through the warm prefix cache: the workers' KV blocks hold the cached prefix too
+        repeat = [(work[1][0][:40], 8)]
+        first = run_staggered(tp2, repeat)
+        tp2.reset_stats()
+        assert run_staggered(tp2, repeat)["r0"][1] == first["r0"][1]
+        assert tp2.stats().requests[0].num_cached_tokens == 32
     finally:
         tp2.shutdown()
     assert mp.active_children() == []
