@@ -245,13 +245,13 @@ class WorkerGroup:
         return runner.execute(out, params)
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(...)``, with a failed collective reported as the worker that caused it (when one has exited)."""
+        """``fn(...)``, with a failure reported as the worker that caused it when one has exited."""
         try:
             return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistBackendError) as e:
+        except RuntimeError as e:  # gloo and NCCL errors are RuntimeErrors (DistBackendError among them)
             time.sleep(0.2)  # a killed worker's exit code shows up a moment after its sockets close
             self.check_alive()
-            self.failed = f"a tensor-parallel collective failed: {e}"
+            self.failed = f"a tensor-parallel step failed (the workers may be out of step now): {e}"
             raise RuntimeError(self.failed) from e
 
     def shutdown(self) -> None:
