@@ -4,7 +4,9 @@ policy and chunk size on the identical online workload (real-time replay of the 
 Workload: rows ``--start ..`` of the Azure conversation trace with prompt and output lengths scaled by
 ``--prompt-scale``/``--output-scale`` and clipped to ``--max-prompt``/``--max-output`` (defaults 1/4, 1024, 128:
 this CPU runs SmolLM2-135M about two orders of magnitude slower than an A100 runs Mistral-7B), Poisson arrivals
-from ``--seed``. Chunk sizes are scaled alike: ``--chunk-size 128`` stands for the paper's 512.
+from ``--seed``. Chunk sizes are scaled alike: ``--chunk-size 128`` stands for the paper's 512. Every engine runs
+the paper's policies as published (``hol_protection=False``; the default is on), so the ratios stay
+comparable with the paper's and with earlier runs (``benchmarks/hol_protection.py`` measures the protection).
 
 Steps, each printed as it finishes:
 1. cost per token: decode-only, hybrid and prefill-only batches of 128 tokens; the "decode step" (a decode-only
@@ -74,6 +76,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--results", type=Path, default=Path("results/serving"))
     ap.add_argument("--docs", type=Path, default=Path("docs"))
     return ap.parse_args()
+
+
+PAPER = {"hol_protection": False}  # the Sarathi-Serve paper's first-come-first-served policies
 
 
 def log(msg: str) -> None:

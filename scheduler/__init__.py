@@ -13,7 +13,7 @@ Pure Python (stdlib only, never torch), so a serving framework or a simulator ca
 
 from .base import Scheduler
 from .block_manager import BlockManager, block_key
-from .config import CHUNKED_POLICIES, POLICIES, SchedulerConfig
+from .config import CHUNKED_POLICIES, HOL_ADMISSION_BOUND, POLICIES, SchedulerConfig
 from .output import ScheduledRequest, SchedulerOutput
 from .policies import (
     OrcaScheduler,
@@ -26,7 +26,7 @@ from .policies import (
 from .request import Request, RequestStatus
 
 __all__ = [
-    "BlockManager", "CHUNKED_POLICIES", "block_key", "OrcaScheduler", "POLICIES", "Request", "RequestLevelScheduler",
-    "RequestStatus", "SarathiScheduler", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-    "SimpleChunkingScheduler", "VLLMScheduler", "make_scheduler",
+    "BlockManager", "CHUNKED_POLICIES", "HOL_ADMISSION_BOUND", "block_key", "OrcaScheduler", "POLICIES", "Request",
+    "RequestLevelScheduler", "RequestStatus", "SarathiScheduler", "ScheduledRequest", "Scheduler", "SchedulerConfig",
+    "SchedulerOutput", "SimpleChunkingScheduler", "VLLMScheduler", "make_scheduler",
 ]

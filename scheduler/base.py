@@ -212,11 +212,15 @@ class Scheduler:
         return prefills
 
     def _prefill_cap(self, req: Request) -> int:
+        """Most tokens of ``req``'s prefill one chunk may take: ``long_prefill_token_threshold`` for a long prompt
+        without head-of-line protection (with it, long prompts are held to their share by the budget instead)."""
         threshold = self.config.long_prefill_token_threshold
-        return threshold if threshold is not None and req.num_prefill_tokens > threshold else req.num_prefill_tokens
+        if threshold is None or self.config.protects_short_prompts or req.num_prefill_tokens <= threshold:
+            return req.num_prefill_tokens
+        return threshold
 
     def _is_long(self, req: Request) -> bool:
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self.config.long_threshold
         return threshold is not None and req.num_prefill_tokens > threshold
 
     def _schedule_prefill_chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
@@ -239,6 +243,22 @@ class Scheduler:
                 break
             used += self._schedule_prefill_chunk(req, budget - used, out)
         return used
+
+    def _start(self, req: Request, prefix: list[int], num_blocks: int, budget: int, out: SchedulerOutput) -> int:
+        """Admit ``req`` (just taken off ``waiting``): give it the cached ``prefix`` blocks and ``num_blocks`` new
+        ones, make it running (in arrival order) and schedule its first chunk within ``budget``; returns the
+        chunk's length."""
+        bm = self.block_manager
+        req.block_ids = bm.allocate(num_blocks, prefix)
+        if bm.enable_caching:
+            self._start_from_prefix(req, len(prefix), out)
+        req.status = RUNNING
+        running = self.running
+        if not running or running[-1].seq < req.seq:
+            running.append(req)
+        else:
+            bisect.insort(running, req, key=_SEQ)
+        return self._schedule_prefill_chunk(req, budget, out)
 
     def _admit(self, budget: int, out: SchedulerOutput, num_partial: int = 0, num_long: int = 0) -> int:
         """Admit waiting requests in arrival order while the budget, ``max_num_seqs``, the partial-prefill
@@ -267,17 +287,99 @@ class Scheduler:
             if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0, prefix):
                 break
             waiting.popleft()
-            req.block_ids = bm.allocate(need, prefix)
-            if bm.enable_caching:
-                self._start_from_prefix(req, len(prefix), out)
-            req.status = RUNNING
-            running = self.running
-            if not running or running[-1].seq < req.seq:
-                running.append(req)
-            else:
-                bisect.insort(running, req, key=_SEQ)
-            used += self._schedule_prefill_chunk(req, budget - used, out)
+            used += self._start(req, prefix, need, budget - used, out)
             num_partial += 1
             num_long += is_long
         waiting.extendleft(reversed(held_back))
         return used
+
+    def _schedule_prefills(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
+        """Continue the prompts mid-prefill (``prefills``, in arrival order) and admit waiting ones within
+        ``budget`` tokens: first come, first served (the paper's policy), or with head-of-line protection
+        (``_schedule_prefills_protected``). Returns tokens used."""
+        if self.config.protects_short_prompts:
+            return self._schedule_prefills_protected(prefills, budget, out)
+        used = self._schedule_partial_prefills(prefills, budget, out)
+        if budget - used > 0:
+            used += self._admit(budget - used, out, num_partial=len(prefills),
+                                num_long=sum(map(self._is_long, prefills)))
+        return used
+
+    def _schedule_prefills_protected(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
+        """Head-of-line protection (``SchedulerConfig.hol_protection``): short prompts first, long ones after.
+
+        1. Keep a share of ``budget`` for the long prompts mid-prefill: ``min(long_chunk, budget // 2, what
+           they still need)``, so they progress every iteration; at least half is always the short prompts'.
+        2. Short prompts mid-prefill, then waiting short prompts in arrival order (passing waiting long ones)
+           fill the rest, then waiting long prompts whose whole prefill fits what is left (they finish their
+           prefill in this iteration, so they never hold a long slot). Together they hold every partial-prefill
+           slot the long prompts do not (at least one).
+        3. Long prompts mid-prefill, then waiting long ones (at most ``max(max_num_partial_prefills - 1, 1)``
+           and ``max_long_partial_prefills`` mid-prefill at once) take what is left: all of it in an iteration
+           of their own, at most ``long_chunk`` tokens in one shared with decodes or short prompts, so those
+           iterations stay about as fast as the others.
+
+        So the oldest waiting short prompt is admitted in this iteration whenever no other short prompt is
+        mid-prefill and a seat and KV blocks are free for it: nothing a long prompt holds keeps it out
+        (``HOL_ADMISSION_BOUND``). Returns tokens used."""
+        cfg = self.config
+        is_long = self._is_long
+        longs = [r for r in prefills if is_long(r)]
+        shorts = [r for r in prefills if not is_long(r)]
+        max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
+        long_chunk = cfg.long_chunk
+        share = 0
+        if longs:
+            share = min(long_chunk, budget // 2, sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
+        short_budget = budget - share
+        used = self._schedule_partial_prefills(shorts, short_budget, out)
+        short_slots = max(max_partial - len(longs), 1)
+        used, slots, short_left = self._admit_lane(short_budget, used, short_slots - len(shorts), out, long=False)
+        used, slots, _ = self._admit_lane(short_budget, used, slots, out, long=True, whole=True)
+        lane = budget - used if out.is_empty else min(budget - used, long_chunk)
+        lane_used = self._schedule_partial_prefills(longs, lane, out)
+        if not short_left:  # a long prompt never takes a seat or blocks from a short one left waiting
+            long_slots = min(cfg.max_long_partial_prefills - len(longs), max(max_partial - 1, 1) - len(longs),
+                             max_partial - len(longs) - (short_slots - slots))
+            lane_used, _, _ = self._admit_lane(lane, lane_used, long_slots, out, long=True)
+        return used + lane_used
+
+    def _admit_lane(self, budget: int, used: int, slots: int, out: SchedulerOutput, *, long: bool,
+                    whole: bool = False) -> tuple[int, int, bool]:
+        """Admit waiting prompts of one class (long or short) in arrival order, passing over the other class,
+        while ``used`` (tokens) stays below ``budget`` and ``slots`` partial-prefill slots and the seats allow,
+        and schedule their first chunk. whole: admit only long prompts whose whole prefill fits the budget left,
+        passing over one the pool cannot take (a later, shorter one may fit). Returns ``used`` and ``slots``
+        updated, and whether a prompt of the class was left waiting for want of budget, a slot, a seat or
+        blocks."""
+        cfg = self.config
+        bm = self.block_manager
+        is_long = self._is_long
+        waiting = self.waiting
+        max_seqs = cfg.max_running
+        admitted: list[Request] = []
+        left = False
+        for req in waiting:
+            if len(self.running) >= max_seqs:  # no seat for anyone: stop scanning
+                left = True
+                break
+            if is_long(req) is not long:
+                continue
+            if used >= budget or slots <= 0:
+                left = True
+                break
+            prefix = bm.match_prefix(req)  # prefix caching: cached blocks it starts from ([] without)
+            if whole and req.num_prefill_tokens - len(prefix) * bm.block_size > budget - used:
+                continue
+            need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
+            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0, prefix):
+                if whole:
+                    continue
+                left = True
+                break
+            admitted.append(req)
+            used += self._start(req, prefix, need, budget - used, out)
+            slots -= 1
+        for req in admitted:
+            waiting.remove(req)
+        return used, slots, left

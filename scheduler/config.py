@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 POLICIES = ("sarathi", "vllm", "orca", "request_level", "simple_chunking")
 CHUNKED_POLICIES = ("sarathi", "simple_chunking")
+# With hol_protection, iterations a short prompt waits (counting the one that admits it) once it is the oldest waiting
+# short prompt, no other short prompt is mid-prefill and a seat and KV blocks are free for it, whatever long prompts
+# hold: it is admitted in the very next iteration (simple_chunking: its next prefill iteration, so within 2).
+HOL_ADMISSION_BOUND = 1
 
 
 @dataclass(slots=True)
@@ -30,14 +34,30 @@ class SchedulerConfig:
     watermark: fraction of the pool kept free when admitting a new request while others run, so running
         decodes have room to grow before anyone is preempted.
     max_num_partial_prefills: most prompts mid-prefill at once (``None``: no limit beyond ``max_num_seqs``).
-    long_prefill_token_threshold: prompts with more prefill tokens than this count as long; a long prompt's
-        chunk per iteration is capped at this many tokens (``None``: no prompt is long).
+    long_prefill_token_threshold: prompts with more prefill tokens than this count as long. Without
+        ``hol_protection`` a long prompt's chunk per iteration is capped at this many tokens (``None``: no
+        prompt is long); with it, see below (``None``: ``chunk_size``).
     max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
         a long prompt that this limit holds back.
     enable_prefix_caching: reuse the KV blocks of a prompt prefix another request has already computed
         (content-addressed full blocks, see ``sarathi_lite.scheduler.block_manager``): an admitted request
         starts at the longest cached prefix and computes only the rest. On by default (greedy outputs are
         the same either way); the paper's policy comparisons turn it off.
+    hol_protection: head-of-line protection for short prompts (chunked policies only). On by default;
+        ``False`` is the Sarathi-Serve paper's first-come-first-served budget filling, which the paper's policy
+        comparisons use. With it the knobs compose into one guarantee (``HOL_ADMISSION_BOUND``): a short prompt (at most
+        ``long_threshold`` prefill tokens) is admitted in the first iteration in which it is the oldest waiting
+        short prompt, no other short prompt is mid-prefill and a seat and KV blocks are free for it, whatever
+        long prompts are mid-prefill or waiting. Per iteration, after the decodes: short prompts (mid-prefill,
+        then waiting ones passing waiting long ones, then long ones whose whole prefill fits what is left) fill
+        the budget but for a share kept for the long prompts mid-prefill (``min(long_chunk, half the budget,
+        what they still need)``, so they never starve); the long prompts take the rest, capped at
+        ``long_chunk`` in an iteration shared with decodes or short prompts. Long prompts hold at most
+        ``max(max_num_partial_prefills - 1, 1)`` (and ``max_long_partial_prefills``) partial-prefill slots; short
+        prompts always have at least one. See ``Scheduler._schedule_prefills_protected``.
+    long_prefill_chunk: with ``hol_protection``, the most prefill tokens long prompts get in an iteration they
+        share with decodes or short prompts (``None``: ``min(long_threshold, chunk_size // 4)``), which keeps
+        those iterations, whose long-context attention is the costliest, about as fast as the others.
     """
 
     policy: str = "sarathi"
@@ -52,6 +72,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = True
+    hol_protection: bool = True
+    long_prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -59,11 +81,13 @@ class SchedulerConfig:
         for name in ("chunk_size", "max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills"):
             _check_positive_int(name, getattr(self, name))
         for name in ("max_num_batched_tokens", "num_blocks", "max_num_partial_prefills",
-                     "long_prefill_token_threshold"):
+                     "long_prefill_token_threshold", "long_prefill_chunk"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
+        if not isinstance(self.hol_protection, bool):
+            raise ValueError(f"hol_protection={self.hol_protection!r} must be True or False")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
         if self.max_num_batched_tokens is None:
@@ -86,6 +110,29 @@ class SchedulerConfig:
     def max_running(self) -> int:
         """Requests that may run at once: ``max_num_seqs``, capped by the token budget."""
         return min(self.max_num_seqs, self.token_budget)
+
+    @property
+    def protects_short_prompts(self) -> bool:
+        """Whether head-of-line protection applies: ``hol_protection`` under a chunked policy."""
+        return self.hol_protection and self.policy in CHUNKED_POLICIES
+
+    @property
+    def long_threshold(self) -> int | None:
+        """Prefill tokens above which a prompt is long: ``long_prefill_token_threshold``, which under head-of-line
+        protection defaults to ``chunk_size`` (a prompt that cannot be prefilled in one iteration); ``None``
+        when no prompt is long."""
+        if self.long_prefill_token_threshold is None and self.protects_short_prompts:
+            return self.chunk_size
+        return self.long_prefill_token_threshold
+
+    @property
+    def long_chunk(self) -> int:
+        """Under head-of-line protection, the most prefill tokens long prompts get in an iteration they share
+        with decodes or short prompts: ``long_prefill_chunk``, by default ``min(long_threshold, chunk_size // 4)``
+        (at least 1)."""
+        if self.long_prefill_chunk is not None:
+            return self.long_prefill_chunk
+        return max(min(self.long_threshold or self.chunk_size, self.chunk_size // 4), 1)
 
     @property
     def watermark_blocks(self) -> int:

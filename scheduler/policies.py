@@ -9,13 +9,13 @@ from __future__ import annotations
 from .base import Scheduler
 from .config import SchedulerConfig
 from .output import SchedulerOutput
-from .request import Request
 
 
 class SarathiScheduler(Scheduler):
     """Stall-free hybrid batches (Sarathi-Serve). Token budget ``chunk_size``: every running decode first, then
     prompts already mid-prefill, then waiting prompts admitted in arrival order, each taking a chunk of what is
-    left. No decode waits while a prompt is prefilled."""
+    left. No decode waits while a prompt is prefilled. With ``hol_protection``, short prompts go before long
+    ones in that order (``Scheduler._schedule_prefills_protected``)."""
 
     policy = "sarathi"
     chunked = True
@@ -23,11 +23,7 @@ class SarathiScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         prefills = self._schedule_decodes(out)
-        budget = self.config.chunk_size - out.num_decode_tokens
-        budget -= self._schedule_partial_prefills(prefills, budget, out)
-        if budget > 0:
-            num_long = sum(map(self._is_long, prefills))
-            self._admit(budget, out, num_partial=len(prefills), num_long=num_long)
+        self._schedule_prefills(prefills, self.config.chunk_size - out.num_decode_tokens, out)
         return out
 
 
@@ -93,19 +89,13 @@ class SimpleChunkingScheduler(Scheduler):
         prefills = [r for r in self.running if r.num_computed_tokens < r.num_prefill_tokens]
         has_decodes = len(prefills) < len(self.running)
         if not (has_decodes and self._last_was_prefill):
-            self._schedule_prefills(prefills, out)
+            self._schedule_prefills(prefills, self.config.chunk_size, out)
         if out.is_empty:
             prefills = self._schedule_decodes(out)
             if out.is_empty:  # every decode was preempted to make room: chunk prompts rather than run nothing
-                self._schedule_prefills(prefills, out)
+                self._schedule_prefills(prefills, self.config.chunk_size, out)
         self._last_was_prefill = out.num_prefills > 0
         return out
-
-    def _schedule_prefills(self, prefills: list[Request], out: SchedulerOutput) -> None:
-        budget = self.config.chunk_size
-        budget -= self._schedule_partial_prefills(prefills, budget, out)
-        if budget > 0:
-            self._admit(budget, out, num_partial=len(prefills), num_long=sum(map(self._is_long, prefills)))
 
 
 _POLICY_CLASSES: dict[str, type[Scheduler]] = {

@@ -121,8 +121,9 @@ def test_bad_input_is_rejected_clearly_and_other_requests_finish_unchanged(tiny_
 
 
 def test_abort_in_every_state_frees_blocks_and_spares_the_others(tiny_checkpoints):
+    # First-come-first-served admission (no HOL protection) puts the requests in the three states named below.
     engine = LLMEngine(tiny_checkpoints["llama"], chunk_size=8, block_size=4, num_kv_blocks=64, max_num_seqs=2,
-                       device="cpu")
+                       device="cpu", hol_protection=False)
     for rid, n in [("decoding", 4), ("prefilling", 40), ("waiting", 10), ("keeper", 6)]:
         engine.add_request(rid, list(range(10, 10 + n)), greedy(8))
     engine.step()

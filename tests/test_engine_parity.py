@@ -90,3 +90,16 @@ def test_flashinfer_bf16_engine_tracks_hf_within_bf16_rounding(tiny_checkpoints,
         for j, tok in enumerate(tokens):
             assert float(logits[j].max() - logits[j, tok]) <= 0.05
             assert abs(logprobs[j] - float(lp[j, tok])) <= 0.05
+
+
+def test_hol_protection_changes_the_batches_not_the_outputs(tiny_checkpoints, hf_reference):
+    """The knobs composed (a low threshold, one partial-prefill slot beside the long lane, a small long chunk)
+    reorder prefill chunks, but every greedy output still matches HF, as with the paper's FCFS policy."""
+    batches = {}
+    for protection in (False, True):
+        engine = LLMEngine(tiny_checkpoints["llama"], chunk_size=32, block_size=4, num_kv_blocks=1024, device="cpu",
+                           attention_backend="torch", record_batches=True, hol_protection=protection,
+                           long_prefill_token_threshold=24, max_num_partial_prefills=2, long_prefill_chunk=6)
+        check_run(engine, hf_reference("llama"), seed=11)
+        batches[protection] = [it.batch for it in engine.stats().iterations]
+    assert batches[True] != batches[False], "protection did not change the batching"

@@ -22,6 +22,7 @@ TOKEN = 7  # what the fake model always samples
 def make(policy: str = "sarathi", **kwargs: object) -> Scheduler:
     kwargs.setdefault("watermark", 0.0)
     kwargs.setdefault("enable_prefix_caching", False)  # prompts here share prefixes; the cache: its own tests
+    kwargs.setdefault("hol_protection", False)  # the paper's policy mechanics; protection: test_scheduler_hol.py
     return make_scheduler(SchedulerConfig(policy=policy, **kwargs))
 
 

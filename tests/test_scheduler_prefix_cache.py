@@ -15,7 +15,7 @@ SYSTEM = list(range(100, 124))  # a 24-token shared prefix: 6 blocks of 4
 
 def sched_for(policy: str = "sarathi", **kw):
     cfg = dict(policy=policy, chunk_size=64, max_num_seqs=8, max_model_len=128, block_size=4, num_blocks=64,
-               watermark=0.0, enable_prefix_caching=True)
+               watermark=0.0, enable_prefix_caching=True, hol_protection=False)  # batches in FCFS order
     cfg.update(kw)
     return make_scheduler(SchedulerConfig(**cfg))
 

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from sarathi_lite.scheduler import (
     CHUNKED_POLICIES,
+    HOL_ADMISSION_BOUND,
     POLICIES,
     Request,
     RequestStatus,
@@ -135,6 +136,9 @@ def workloads(draw: st.DrawFn, policy: str, prefix_caching: bool = False) -> Wor
             "long_prefill_token_threshold": draw(st.integers(1, 32)),
             "max_long_partial_prefills": draw(st.integers(1, 3)),
         }
+    long_prefill["hol_protection"] = draw(st.booleans())
+    if long_prefill["hol_protection"]:
+        long_prefill["long_prefill_chunk"] = draw(st.none() | st.integers(1, 16))
     max_num_batched_tokens = None
     if policy not in CHUNKED_POLICIES:
         max_num_batched_tokens = draw(st.none() | st.integers(max_model_len, 2 * max_model_len + 8))
@@ -171,6 +175,7 @@ class Trace:
     first_scheduled: list[str] = field(default_factory=list)
     cached_tokens: int = 0  # prefill tokens found in the prefix cache at admissions
     computed_prefill_tokens: int = 0  # prefill tokens scheduled (computed)
+    hol_checks: int = 0  # steps at which the head-of-line bound was checked (and held)
 
 
 class Driver:
@@ -233,9 +238,16 @@ class Driver:
         decoding = [r.request_id for r in sched.running if not r.is_prefill]
         mid_prefill = [r.request_id for r in sched.running if r.is_prefill]
         was_running = {r.request_id for r in sched.running}
+        protected = self.hol_protected_short()
         out = sched.schedule()
         self.check_output(out, decoding, mid_prefill, was_running)
         self.write_kv(out)
+        if protected is not None and not out.preempted_ids:
+            assert protected in {s.request_id for s in out.scheduled}, (
+                f"short prompt {protected} was kept waiting although it was the oldest short one, no other short "
+                f"prompt was mid-prefill and a seat and blocks were free (HOL_ADMISSION_BOUND="
+                f"{HOL_ADMISSION_BOUND})")
+            self.trace.hol_checks += 1
         sampled = {s.request_id: fake_token(s.request_id, len(sched.requests[s.request_id].output_token_ids))
                    for s in out.scheduled if s.sample}
         for a in between_aborts:
@@ -247,6 +259,29 @@ class Driver:
             assert req.block_ids == [] and req.request_id not in sched.requests
             self.trace.finished[req.request_id] = req
         assert live - set(sched.requests) == {r.request_id for r in finished}, "a request left without finishing"
+
+    def hol_protected_short(self) -> str | None:
+        """Under head-of-line protection, the waiting short prompt that this step must admit, if any: the oldest
+        waiting short prompt, while a long prompt is mid-prefill, no other short prompt is, and a seat and KV
+        blocks (above the watermark, after the decodes' new blocks) are free for it."""
+        cfg, sched = self.config, self.sched
+        if not cfg.protects_short_prompts:
+            return None
+        threshold = cfg.long_threshold
+        mid = [r for r in sched.running if r.is_prefill]
+        if not any(r.num_prefill_tokens > threshold for r in mid) or any(
+                r.num_prefill_tokens <= threshold for r in mid):
+            return None
+        short = next((r for r in sched.waiting if r.num_prefill_tokens <= threshold), None)
+        if short is None or len(sched.running) >= cfg.max_running:
+            return None
+        if cfg.policy == "simple_chunking" and self._last_had_prefill and len(mid) < len(sched.running):
+            return None  # a decode-only iteration by that policy's alternation: the bound counts the next one
+        bs = cfg.block_size
+        decode_blocks = sum(1 for r in sched.running
+                            if not r.is_prefill and r.num_computed_tokens == len(r.block_ids) * bs)
+        free = sched.block_manager.num_free_blocks - decode_blocks - cfg.watermark_blocks
+        return short.request_id if free >= blocks_for(short.num_prefill_tokens, bs) else None
 
     # ------------------------------------------------------------------------------------------ checks
 
@@ -275,8 +310,20 @@ class Driver:
             if rid not in ids:
                 assert req.status is RequestStatus.WAITING and req.block_ids == [] and req.num_computed_tokens == 0
 
-        threshold = cfg.long_prefill_token_threshold
+        threshold = cfg.long_threshold
         chunked = cfg.policy in CHUNKED_POLICIES
+        protected = cfg.protects_short_prompts
+        # Under HOL protection, long prompts still mid-prefill after this step get at most long_chunk tokens in
+        # a batch shared with decodes or short prompts (which run first); a long prompt's chunk may stop short of
+        # the budget only once the long prompts' rows hold long_chunk tokens.
+        long_rows = [s for s in rows if s.is_prefill and protected
+                     and sched.requests[s.request_id].num_prefill_tokens > threshold]
+        if protected and any(not s.is_prefill or sched.requests[s.request_id].num_prefill_tokens <= threshold
+                             for s in rows):
+            unfinished = sum(s.num_new_tokens for s in long_rows if s.num_computed_tokens + s.num_new_tokens
+                             < sched.requests[s.request_id].num_prefill_tokens)
+            assert unfinished <= cfg.long_chunk, "long prompts took more than long_chunk beside decodes or short ones"
+        long_lane_full = protected and sum(s.num_new_tokens for s in long_rows) >= cfg.long_chunk
         first_now: list[str] = []
         for s in rows:
             req = sched.requests[s.request_id]
@@ -296,10 +343,11 @@ class Driver:
                 remaining = req.num_prefill_tokens - s.num_computed_tokens
                 long = threshold is not None and req.num_prefill_tokens > threshold
                 if chunked:
-                    cap = threshold if long else remaining
+                    cap = threshold if long and not protected else remaining
                     assert s.num_new_tokens <= cap, "a long prompt's chunk exceeds long_prefill_token_threshold"
                     if s.num_new_tokens < min(remaining, cap):
-                        assert out.num_batched_tokens >= cfg.chunk_size, "a chunk was cut short of the budget"
+                        assert out.num_batched_tokens >= cfg.chunk_size or (long and long_lane_full), \
+                            "a chunk was cut short of the budget"
                 else:
                     assert s.num_computed_tokens == req.num_committed_blocks * cfg.block_size
                     assert s.num_new_tokens == remaining, "an unchunked prompt split"
@@ -336,13 +384,16 @@ class Driver:
             missing = [rid for rid in still_decoding if rid not in scheduled]
             assert not missing, f"decodes {missing} stalled"
 
-        # Prompts in progress (started earlier, or admitted now) stay within the partial-prefill limits.
+        # Prompts in progress (started earlier, or admitted now) stay within the partial-prefill limits; under
+        # HOL protection one slot is always a short prompt's, even beside a long prompt holding the only one.
         if chunked:
             in_progress = [sched.requests[rid] for rid in mid_prefill if rid not in preempted]
+            num_long_before = sum(r.num_prefill_tokens > threshold for r in in_progress) if protected else 0
             in_progress += [sched.requests[s.request_id] for s in prefill_rows
                             if s.request_id not in mid_prefill or s.request_id in preempted]
-            assert len(in_progress) <= (cfg.max_num_partial_prefills or cfg.max_num_seqs), "too many partial prefills"
-            if threshold is not None:
+            limit = cfg.max_num_partial_prefills or cfg.max_num_seqs
+            assert len(in_progress) <= max(limit, num_long_before + 1), "too many partial prefills"
+            if threshold is not None and not protected:
                 num_long = sum(r.num_prefill_tokens > threshold for r in in_progress)
                 assert num_long <= cfg.max_long_partial_prefills, "too many long partial prefills"
 
@@ -355,8 +406,11 @@ class Driver:
             if prefill_rows:
                 assert set(still_decoding) <= scheduled, "a decode stalled beside a prefill chunk"
             left_out = [rid for rid in mid_prefill if rid not in scheduled and rid not in preempted]
-            if left_out:
+            if left_out and not long_lane_full:
                 assert out.num_batched_tokens >= budget, f"started prompts {left_out} left out with budget to spare"
+            if left_out and long_lane_full:
+                assert all(sched.requests[rid].num_prefill_tokens > threshold for rid in left_out), \
+                    f"short prompts {left_out} left out with budget to spare"
         elif policy == "simple_chunking":
             assert out.num_batched_tokens <= budget
             if prefill_rows:
@@ -453,7 +507,7 @@ class Driver:
         for r in sched.waiting:
             assert r.status is RequestStatus.WAITING and r.block_ids == [] and r.num_computed_tokens == 0
             assert r.num_prefill_tokens == r.num_tokens
-        threshold = cfg.long_prefill_token_threshold
+        threshold = cfg.long_threshold
         num_partial = num_long = 0
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
@@ -464,8 +518,13 @@ class Driver:
             else:
                 assert r.num_computed_tokens == r.num_tokens - 1
         if cfg.policy in CHUNKED_POLICIES:
-            assert num_partial <= (cfg.max_num_partial_prefills or cfg.max_num_seqs)
-            assert num_long <= cfg.max_long_partial_prefills or threshold is None
+            limit = cfg.max_num_partial_prefills or cfg.max_num_seqs
+            if cfg.protects_short_prompts:
+                assert num_partial <= max(limit, num_long + 1), "too many partial prefills"
+                assert num_long <= min(cfg.max_long_partial_prefills, max(limit - 1, 1)), "too many long prefills"
+            else:
+                assert num_partial <= limit
+                assert num_long <= cfg.max_long_partial_prefills or threshold is None
         else:
             assert num_partial == 0, "an unchunked policy left a prompt half-prefilled"
         for r in sched.requests.values():
@@ -503,6 +562,8 @@ def test_every_policy_keeps_its_invariants_on_random_workloads(policy: str, data
     workload = data.draw(workloads(policy))
     trace = run(workload)
     event("preemption" if trace.preemptions else "no preemption")
+    if workload.config.protects_short_prompts:
+        event("head-of-line bound checked" if trace.hol_checks else "head-of-line bound not reached")
     for label in set(trace.aborted.values()):
         event(f"abort {label}")
 

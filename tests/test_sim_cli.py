@@ -60,3 +60,23 @@ def test_sim_errors_are_reported_not_raised(tmp_path, capsys):
     assert "neither a profile JSON" in capsys.readouterr().err
     assert main(["sim", "--cost-model", "roofline:h100", *WORKLOAD, "--capacity", "--out", str(tmp_path)]) == 2
     assert "--tbt-slo" in capsys.readouterr().err
+
+
+def test_sim_protects_short_requests_on_long_context_traffic_by_default(tmp_path, capsys):
+    """Two 30k-token prompts among short ones on a simulated H100: the default run (protection on) starts the
+    short requests sooner than --no-hol-protection (the paper's FCFS), and each result records which it ran."""
+    workload = ["--lengths", "uniform:100-600:20-60", "--num-requests", "80", "--qps", "10", "--long-prompts",
+                "2:30000", "--max-prompt", "30000"]
+    ttft = {}
+    for flag in ([], ["--no-hol-protection"]):
+        out = tmp_path / ("paper" if flag else "protected")
+        assert main(["sim", "--cost-model", "roofline:h100:llama3.1-8b", *workload, "--chunk-size", "2048",
+                     "--policies", "sarathi", *flag, "--out", str(out)]) == 0
+        result = BenchResult.from_json(out / "sarathi_2048.json")
+        assert result.config["hol_protection"] is not bool(flag)
+        assert result.config["max_model_len"] == 131072
+        short = sorted(r.ttft for r in result.stats.requests if r.num_prompt_tokens <= 600)
+        assert len(short) == 78
+        ttft[bool(flag)] = short[int(0.9 * len(short))]
+    capsys.readouterr()
+    assert ttft[False] < ttft[True] / 2, ttft

@@ -56,7 +56,7 @@ def scheduler_config(result: BenchResult) -> SchedulerConfig:
     c = result.config
     return SchedulerConfig(policy=c["policy"], chunk_size=c["chunk_size"] or 512, max_num_seqs=c["max_num_seqs"],
                            block_size=c["block_size"], num_blocks=c["num_kv_blocks"], max_model_len=c["max_model_len"],
-                           enable_prefix_caching=c["enable_prefix_caching"])
+                           enable_prefix_caching=c["enable_prefix_caching"], hol_protection=c["hol_protection"])
 
 
 @pytest.fixture(scope="module")

@@ -188,3 +188,24 @@ def test_check_fits_names_the_requests_that_exceed_max_model_len():
     wl.check_fits(128)  # exactly 128 tokens fits
     with pytest.raises(ValueError, match=r"3 request\(s\) .* more than max_model_len=127 tokens"):
         wl.check_fits(127)
+
+
+def test_with_long_prompts_puts_a_few_very_long_prompts_among_the_others() -> None:
+    base = Workload.synthetic("uniform:100-600:50-250", num_requests=200, qps=10.0, seed=3)
+    w = base.with_long_prompts(5, 60_000)
+    changed = [(a, b) for a, b in zip(base.requests, w.requests) if a != b]
+    assert len(changed) == 5 and all(b.prompt_len == 60_000 and b.output_len == a.output_len for a, b in changed)
+    assert [r.arrival_time for r in w.requests] == [r.arrival_time for r in base.requests]
+    assert w.long_request_ids(600) == {b.request_id for _, b in changed}
+    assert base.with_long_prompts(5, 60_000) == w, "drawn from the seed alone"
+    assert w.at_qps(20.0).long_request_ids(600) == w.long_request_ids(600), "a rate change keeps the long ones"
+    assert Workload.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    assert w.source["long_prompts"] == {"num_long": 5, "prompt_len": 60_000, "output_len": None}
+    assert {r.output_len for r in base.with_long_prompts(3, 9000, 7).requests if r.prompt_len == 9000} == {7}
+
+
+@pytest.mark.parametrize(("args", "message"), [((0, 100), "num_long=0"), ((201, 100), "num_long=201"),
+                                               ((2, 0), "prompt_len=0"), ((2, 10, -1), "output_len=-1")])
+def test_with_long_prompts_rejects_bad_values_by_name(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Workload.synthetic("fixed:10:2", num_requests=200, seed=0).with_long_prompts(*args)

@@ -49,14 +49,15 @@ def host() -> str:
 def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str | None, dtype: str | None,
                device: str | None, attention_backend: str | None) -> dict[str, Any]:
     """The configuration record of a result: policy, chunk size (``None`` means ``cfg.chunk_size`` for chunked
-    policies and stays ``None`` for unchunked ones), the token budget and KV pool, and the model and engine
-    settings that shape timing (for a simulation: what it models)."""
+    policies and stays ``None`` for unchunked ones), the token budget and KV pool, whether head-of-line
+    protection ran, and the model and engine settings that shape timing (for a simulation: what it models)."""
     if chunk_size is None and cfg.policy in CHUNKED_POLICIES:
         chunk_size = cfg.chunk_size
     return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
             "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len,
-            "enable_prefix_caching": cfg.enable_prefix_caching, "model": model, "dtype": dtype,
+            "enable_prefix_caching": cfg.enable_prefix_caching, "hol_protection": cfg.protects_short_prompts,
+            "model": model, "dtype": dtype,
             "device": device, "attention_backend": attention_backend}
 
 

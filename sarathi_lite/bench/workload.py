@@ -12,7 +12,10 @@ Constructors:
 - ``Workload.conversations(trace, ...)``: multi-turn chats with lengths from a trace, turn k resending turns
   1 .. k-1 (user messages and replies) before its own message, so each turn's prompt extends the previous one's;
 - ``workload.with_system_prompt(n)``: the same requests, each prompt starting with one shared n-token prompt;
-- ``workload.at_qps(qps)``: the same requests with Poisson arrivals at another rate (capacity search).
+- ``workload.at_qps(qps)``: the same requests with Poisson arrivals at another rate (capacity search);
+- ``workload.with_long_prompts(num_long, prompt_len)``: long-context traffic, a few very long prompts among the
+  others (``Workload.synthetic("uniform:100-600:50-250", ...).with_long_prompts(10, 60_000)``; on a trace,
+  ``from_trace(..., max_prompt=None)`` keeps its own long tail).
 
 Shared prompt content (for prefix caching) is described by each request's ``segments``: named token runs at the
 start of its prompt; a segment name always stands for the same tokens, in every request, process and run.
@@ -46,6 +49,7 @@ _ARRIVALS_STREAM = 1
 _LENGTHS_STREAM = 2
 _PROMPTS_STREAM = 3
 _SEGMENTS_STREAM = 4
+_LONG_STREAM = 5
 
 
 @dataclass(slots=True, frozen=True)
@@ -205,6 +209,28 @@ class Workload:
         arrivals = poisson_arrivals(len(self.requests), qps, self.seed)
         specs = tuple(replace(r, arrival_time=float(t)) for r, t in zip(self.requests, arrivals))
         return Workload(specs, {**self.source, "arrivals": "poisson", "qps": qps}, self.seed)
+
+    def with_long_prompts(self, num_long: int, prompt_len: int, output_len: int | None = None) -> Workload:
+        """Long-context traffic: the same requests (ids, arrivals, order), but ``num_long`` of them, drawn from
+        the seed, get a ``prompt_len``-token prompt (and ``output_len`` output tokens, default their own).
+        The head-of-line case: short requests arriving while a very long prompt is prefilled. Raises
+        ``ValueError`` for a count outside ``[1, len(self)]`` or a non-positive length."""
+        if isinstance(num_long, bool) or not isinstance(num_long, int) or not 1 <= num_long <= len(self.requests):
+            raise ValueError(f"num_long={num_long!r} must be an integer in [1, {len(self.requests)}]")
+        for name, value in (("prompt_len", prompt_len), ("output_len", output_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        rng = np.random.default_rng([self.seed, _LONG_STREAM])
+        chosen = set(rng.choice(len(self.requests), num_long, replace=False).tolist())
+        specs = tuple(replace(r, prompt_len=prompt_len, output_len=output_len or r.output_len) if i in chosen else r
+                      for i, r in enumerate(self.requests))
+        source = {**self.source, "long_prompts": {"num_long": num_long, "prompt_len": prompt_len,
+                                                  "output_len": output_len}}
+        return Workload(specs, source, self.seed)
+
+    def long_request_ids(self, threshold: int) -> set[str]:
+        """Ids of the requests whose prompt has more than ``threshold`` tokens."""
+        return {r.request_id for r in self.requests if r.prompt_len > threshold}
 
     # ------------------------------------------------------------------ use
 

@@ -142,10 +142,30 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="multi-turn chats of K turns from the trace, turn k resending turns 1..k-1; "
                         "--num-requests then counts conversations and --qps their starts")
     g.add_argument("--turn-gap", type=float, default=10.0, help="seconds between a chat's turns (--turns)")
+    g.add_argument("--long-prompts", type=_long_prompts, default=None, metavar="N:LEN[:OUT]",
+                   help="long-context traffic: N requests (drawn from the seed) get a LEN-token prompt (and OUT "
+                        "output tokens), e.g. 10:60000 among short ones")
+
+
+def _long_prompts(text: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        parts = ()
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"--long-prompts {text!r}: expected N:LEN or N:LEN:OUT")
+    return parts
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
     """The ``Workload`` of ``add_workload_args``' flags."""
+    workload = _base_workload(args)
+    if getattr(args, "long_prompts", None):
+        workload = workload.with_long_prompts(*args.long_prompts)
+    return workload
+
+
+def _base_workload(args: argparse.Namespace) -> Workload:
     qps = args.qps or None
     if args.turns:
         workload = Workload.conversations(args.trace, num_conversations=args.num_requests, turns=args.turns,

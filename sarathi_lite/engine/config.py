@@ -47,13 +47,20 @@ class EngineConfig:
     max_num_partial_prefills: int | None = _scheduler_option(
         "max_num_partial_prefills", "most prompts mid-prefill at once (default: no limit beyond max_num_seqs)")
     long_prefill_token_threshold: int | None = _scheduler_option(
-        "long_prefill_token_threshold", "prompts with more prefill tokens than this are long; a long prompt's "
-        "chunk is capped at it (default: no prompt is long)")
+        "long_prefill_token_threshold", "prompts with more prefill tokens than this are long (default: with "
+        "hol_protection, chunk_size; without, no prompt is long, and a long prompt's chunk is capped at it)")
     max_long_partial_prefills: int = _scheduler_option(
         "max_long_partial_prefills", "most long prompts mid-prefill at once")
     enable_prefix_caching: bool = _scheduler_option(
         "enable_prefix_caching", "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs "
         "are the same either way)")
+    hol_protection: bool = _scheduler_option(
+        "hol_protection", "head-of-line protection: short prompts are admitted past long ones mid-prefill, which "
+        "keep a share of the budget (see SchedulerConfig.hol_protection); --no-hol-protection is the "
+        "Sarathi-Serve paper's first-come-first-served policy")
+    long_prefill_chunk: int | None = _scheduler_option(
+        "long_prefill_chunk", "with hol_protection, most prefill tokens long prompts get in an iteration shared "
+        "with decodes or short prompts (default: min(long_prefill_token_threshold, chunk_size // 4))")
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks (default: derived from kv_cache_memory, or on CUDA from "
                 "gpu_memory_utilization)"})

@@ -66,6 +66,7 @@ _LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, 
               "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": _LLAMA3_8B,
+    "llama3.1-8b": {**_LLAMA3_8B, "max_position_embeddings": 131072},
     "llama3-70b": {**_LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                    "num_attention_heads": 64},
     "mistral-7b": {**_LLAMA3_8B, "model_type": "mistral", "vocab_size": 32768, "max_position_embeddings": 32768,
@@ -75,8 +76,8 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                      "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
                      "tie_word_embeddings": True},
 }
-"""Shapes (weights are irrelevant here) of Meta-Llama-3-8B, Meta-Llama-3-70B, Mistral-7B-v0.3 and
-SmolLM2-135M-Instruct."""
+"""Shapes (weights are irrelevant here) of Meta-Llama-3-8B, Llama-3.1-8B (the same with 128k context; RoPE scaling
+does not change the cost), Meta-Llama-3-70B, Mistral-7B-v0.3 and SmolLM2-135M-Instruct."""
 
 
 _DTYPE_NAMES = {1: "fp8", 2: "bfloat16", 4: "float32"}

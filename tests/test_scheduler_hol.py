@@ -1,0 +1,139 @@
+"""Head-of-line protection (``SchedulerConfig.hol_protection``): short prompts are never stuck behind a long one.
+
+The property test drives workloads built to have long prompts mid-prefill while short ones arrive through the
+checking driver of ``test_scheduler_properties`` (every invariant, plus the ``HOL_ADMISSION_BOUND`` check); the
+examples below pin the mechanism and the knobs' composition, including the settings that backfired before.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from sarathi_lite.scheduler import HOL_ADMISSION_BOUND, SchedulerConfig
+
+from .test_scheduler_policies import D, P, batch, make, req, step
+from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, RequestSpec, Workload, run
+
+
+@st.composite
+def long_context_workloads(draw: st.DrawFn, policy: str) -> Workload:
+    """One to three long prompts (many chunks each) among short prompts arriving at random steps, with every
+    knob combination, random budgets and pools from tight (preemption) to ample."""
+    chunk_size = draw(st.integers(2, 24))
+    threshold = draw(st.none() | st.integers(1, 24))
+    long_above = threshold if threshold is not None else chunk_size
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = 160
+    specs = []
+    for i in range(draw(st.integers(1, 3))):
+        specs.append(RequestSpec(f"long{i}", draw(st.integers(long_above + 1, long_above + 120)),
+                                 draw(st.integers(1, 8)), frozenset(), draw(st.integers(0, 6))))
+    for i in range(draw(st.integers(1, 10))):
+        specs.append(RequestSpec(f"short{i}", draw(st.integers(1, long_above)), draw(st.integers(1, 12)),
+                                 draw(st.frozensets(st.integers(0, VOCAB - 1), max_size=1)),
+                                 draw(st.integers(0, 40))))
+    needs = [-(-max(min(s.prompt_len + s.max_tokens, max_model_len) - 1, s.prompt_len) // block_size)
+             for s in specs]
+    num_blocks = draw(st.integers(max(needs), max(needs) + sum(needs)))
+    config = SchedulerConfig(
+        policy=policy, chunk_size=chunk_size, max_num_seqs=draw(st.integers(2, 12)), max_model_len=max_model_len,
+        block_size=block_size, num_blocks=num_blocks, watermark=draw(st.sampled_from([0.0, 0.05])),
+        max_num_partial_prefills=draw(st.none() | st.integers(1, 4)), long_prefill_token_threshold=threshold,
+        max_long_partial_prefills=draw(st.integers(1, 3)), hol_protection=True,
+        long_prefill_chunk=draw(st.none() | st.integers(1, 24)))
+    return Workload(config, tuple(specs))
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_no_short_prompt_waits_behind_a_long_one(policy: str, data: st.DataObject) -> None:
+    trace = run(data.draw(long_context_workloads(policy)))
+    event("head-of-line bound checked" if trace.hol_checks else "head-of-line bound not reached")
+    event("preemption" if trace.preemptions else "no preemption")
+
+
+def long_with_short_arrivals(**options: object) -> list[int]:
+    """A 400-token prompt mid-prefill (chunk 64) while eight shorts of 10-52 tokens arrive, one every third
+    step; returns how many steps each short waited before its first chunk ran."""
+    sched = make("sarathi", chunk_size=64, max_num_seqs=16, max_model_len=512, **options)
+    sched.add(req("long", 400, max_tokens=4))
+    waits, arrived = {}, {}
+    for i in range(40):
+        if i % 3 == 1 and len(arrived) < 8:
+            rid = f"s{len(arrived)}"
+            sched.add(req(rid, 10 + 6 * len(arrived), max_tokens=16))
+            arrived[rid] = i
+        out = step(sched)
+        for s in out.scheduled:
+            if s.request_id in arrived and s.request_id not in waits:
+                waits[s.request_id] = i - arrived[s.request_id]
+    return [waits.get(rid, 99) for rid in arrived]
+
+
+def test_short_prompts_are_admitted_at_once_beside_a_long_prefill() -> None:
+    paper = long_with_short_arrivals()
+    assert max(paper) >= 3, "the paper's FCFS policy keeps short prompts behind the long prompt"
+    assert long_with_short_arrivals(hol_protection=True) == [HOL_ADMISSION_BOUND - 1] * 8
+
+
+@pytest.mark.parametrize("knobs", [
+    {"long_prefill_token_threshold": 16},  # the setting that backfired: shorts above it were held back
+    {"max_num_partial_prefills": 1},  # one slot, held by the long prompt
+    {"max_num_partial_prefills": 2, "max_long_partial_prefills": 3},
+    {"long_prefill_token_threshold": 32, "max_num_partial_prefills": 4, "max_long_partial_prefills": 1},
+    {"long_prefill_chunk": 1},
+])
+def test_every_knob_combination_keeps_short_prompts_moving(knobs: dict[str, int]) -> None:
+    protected = long_with_short_arrivals(hol_protection=True, **knobs)
+    paper = long_with_short_arrivals(**knobs)
+    threshold = SchedulerConfig(chunk_size=64, hol_protection=True, **knobs).long_threshold
+    lengths = [10 + 6 * i for i in range(8)]
+    assert all(w == 0 for w, n in zip(protected, lengths) if n <= threshold), protected
+    if any(w > 0 for w, n in zip(paper, lengths) if n <= threshold):  # the paper's policy blocked a short one
+        assert sum(protected) < sum(paper), (protected, paper)
+
+
+def test_prompt_above_threshold_that_fits_runs_whole_instead_of_waiting_for_the_long_slot() -> None:
+    sched = make("sarathi", chunk_size=64, hol_protection=True, long_prefill_token_threshold=16)
+    sched.add(req("long", 300))
+    step(sched)
+    sched.add(req("medium", 40))  # long by the threshold, but its whole prefill fits beside the long prompt
+    assert batch(step(sched)) == {"medium": (P, 40), "long": (P, 16)}
+
+
+def test_lone_long_prompt_takes_the_whole_budget_and_is_capped_beside_decodes() -> None:
+    sched = make("sarathi", chunk_size=64, hol_protection=True)
+    assert sched.config.long_threshold == 64 and sched.config.long_chunk == 16
+    sched.add(req("long", 300, max_tokens=2))
+    assert batch(step(sched)) == {"long": (P, 64)}, "alone, a long prompt is not throttled"
+    sched.add(req("short", 10, max_tokens=20))
+    assert batch(step(sched)) == {"short": (P, 10), "long": (P, 16)}
+    assert batch(step(sched)) == {"short": (D, 1), "long": (P, 16)}, "beside decodes, long_chunk tokens"
+
+
+def test_long_prompts_keep_their_share_when_short_prompts_fill_the_budget() -> None:
+    sched = make("sarathi", chunk_size=64, max_num_seqs=32, hol_protection=True, long_prefill_chunk=24)
+    sched.add(req("long", 300))
+    step(sched)
+    for i in range(6):
+        sched.add(req(f"s{i}", 60))
+    out = step(sched)
+    assert batch(out)["long"] == (P, 24) and out.num_batched_tokens == 64
+    assert batch(out)["s0"] == (P, 40)
+
+
+def test_protection_changes_nothing_for_unchunked_policies() -> None:
+    assert not SchedulerConfig(policy="vllm", hol_protection=True).protects_short_prompts
+    assert SchedulerConfig(policy="vllm", hol_protection=True).long_threshold is None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"hol_protection": 1}, r"hol_protection=1 must be True or False"),
+    ({"long_prefill_chunk": 0}, r"long_prefill_chunk=0 "),
+])
+def test_bad_protection_settings_raise(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**kwargs)
