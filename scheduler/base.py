@@ -5,9 +5,11 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterable, Mapping
+from itertools import islice
 from operator import attrgetter
 
 from .block_manager import BlockManager
+from .budget import StepTimePredictor, TokenBudget
 from .config import SchedulerConfig
 from .output import ScheduledRequest, SchedulerOutput
 from .request import Request, RequestStatus
@@ -25,14 +27,17 @@ class Scheduler:
     ``waiting`` holds requests without KV blocks in arrival order (preempted ones return to their place at the
     front); ``running`` holds requests with KV blocks, also in arrival order, so the most recently arrived
     running request, the preemption victim, is always ``running[-1]``.
+
+    predictor: the step-time model of ``chunk_size="auto"`` (required then, unused otherwise); see ``budget``.
     """
 
     policy = "base"
     chunked = True
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.budget = _token_budget(config, predictor)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -145,6 +150,25 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.status is RUNNING]
         return finished
+
+    # ------------------------------------------------------------------ the token budget (chunk_size="auto")
+
+    def _prefill_budget(self, out: SchedulerOutput, prefills: list[Request]) -> int:
+        """Prefill tokens this iteration may add to ``out`` (its decodes scheduled): ``chunk_size`` less those
+        decodes, or with ``chunk_size="auto"`` what ``self.budget`` predicts fits the TBT SLO, for the prompts
+        mid-prefill (``prefills``) and then the waiting ones that could be admitted."""
+        if self.budget is None:
+            return self.config.chunk_size - out.num_decode_tokens
+        slots = max(self.config.max_running - len(self.running), 0)
+        return self.budget.prefill_tokens(out, [
+            (r, min(r.num_prefill_tokens - r.num_computed_tokens, self._prefill_cap(r)))
+            for r in (*prefills, *islice(self.waiting, slots))])
+
+    def observe(self, output: SchedulerOutput, step_time: float) -> None:
+        """Feed the measured ``step_time`` (seconds, the iteration's start to end) of the iteration ``output`` to
+        the ``chunk_size="auto"`` budget's correction; nothing to do with a fixed chunk size."""
+        if self.budget is not None:
+            self.budget.observe_output(output, step_time)
 
     # ------------------------------------------------------------------ building blocks for policies
 
@@ -383,3 +407,11 @@ class Scheduler:
         for req in admitted:
             waiting.remove(req)
         return used, slots, left
+
+
+def _token_budget(config: SchedulerConfig, predictor: StepTimePredictor | None) -> TokenBudget | None:
+    if not config.auto_budget:
+        return None
+    if predictor is None:
+        raise ValueError("chunk_size='auto' needs a step-time predictor (a cost model) to choose each budget")
+    return TokenBudget(config, predictor)

@@ -21,7 +21,10 @@ class SchedulerConfig:
 
     policy: one of ``POLICIES``. ``sarathi`` (stall-free hybrid batches) is the default; the others are the
         baselines of the Sarathi-Serve paper (see ``sarathi_lite.scheduler.policies``).
-    chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``).
+    chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``),
+        or ``"auto"``: each iteration's prefill budget chosen by a step-time predictor so the predicted step
+        takes at most ``tbt_slo * budget_safety`` seconds (``sarathi_lite.scheduler.budget``), with at most
+        ``max_num_batched_tokens`` tokens in all.
     max_num_seqs: most requests running (holding KV blocks) at once; never more than the token budget, so a
         decode-only iteration always fits the budget (see ``max_running``).
     max_num_batched_tokens: the token budget of one iteration for the unchunked policies (``vllm``, ``orca``,
@@ -58,10 +61,15 @@ class SchedulerConfig:
     long_prefill_chunk: with ``hol_protection``, the most prefill tokens long prompts get in an iteration they
         share with decodes or short prompts (``None``: ``min(long_threshold, chunk_size // 4)``), which keeps
         those iterations, whose long-context attention is the costliest, about as fast as the others.
+    tbt_slo: with ``chunk_size="auto"`` (required then, unused otherwise): the time-between-tokens target,
+        seconds per iteration.
+    budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take, in (0, 1].
+    min_chunk_size: with ``chunk_size="auto"``: prefill tokens granted every iteration a prompt waits, even
+        when the predicted step then exceeds the target (rounded up to whole blocks), so prefill never starves.
     """
 
     policy: str = "sarathi"
-    chunk_size: int = 512
+    chunk_size: int | str = 512
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     max_model_len: int = 4096
@@ -74,11 +82,17 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     hol_protection: bool = True
     long_prefill_chunk: int | None = None
+    tbt_slo: float | None = None
+    budget_safety: float = 0.9
+    min_chunk_size: int = 32
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("chunk_size", "max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills"):
+        if self.chunk_size != "auto":
+            _check_positive_int("chunk_size", self.chunk_size)
+        for name in ("max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills",
+                     "min_chunk_size"):
             _check_positive_int(name, getattr(self, name))
         for name in ("max_num_batched_tokens", "num_blocks", "max_num_partial_prefills",
                      "long_prefill_token_threshold", "long_prefill_chunk"):
@@ -88,6 +102,7 @@ class SchedulerConfig:
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if not isinstance(self.hol_protection, bool):
             raise ValueError(f"hol_protection={self.hol_protection!r} must be True or False")
+        self._check_auto_budget()
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
         if self.max_num_batched_tokens is None:
@@ -103,8 +118,16 @@ class SchedulerConfig:
 
     @property
     def token_budget(self) -> int:
-        """Tokens one iteration may hold: ``chunk_size`` for chunked policies, else ``max_num_batched_tokens``."""
-        return self.chunk_size if self.policy in CHUNKED_POLICIES else self.max_num_batched_tokens
+        """Tokens one iteration may hold: ``chunk_size`` for chunked policies (``max_num_batched_tokens`` when it is
+        ``"auto"``), else ``max_num_batched_tokens``."""
+        if self.policy in CHUNKED_POLICIES and not self.auto_budget:
+            return self.chunk_size
+        return self.max_num_batched_tokens
+
+    @property
+    def auto_budget(self) -> bool:
+        """Whether each iteration's budget comes from a step-time predictor (``chunk_size="auto"``)."""
+        return self.chunk_size == "auto"
 
     @property
     def max_running(self) -> int:
@@ -119,24 +142,38 @@ class SchedulerConfig:
     @property
     def long_threshold(self) -> int | None:
         """Prefill tokens above which a prompt is long: ``long_prefill_token_threshold``, which under head-of-line
-        protection defaults to ``chunk_size`` (a prompt that cannot be prefilled in one iteration); ``None``
+        protection defaults to ``token_budget`` (a prompt that cannot be prefilled in one iteration); ``None``
         when no prompt is long."""
         if self.long_prefill_token_threshold is None and self.protects_short_prompts:
-            return self.chunk_size
+            return self.token_budget
         return self.long_prefill_token_threshold
 
     @property
     def long_chunk(self) -> int:
         """Under head-of-line protection, the most prefill tokens long prompts get in an iteration they share
-        with decodes or short prompts: ``long_prefill_chunk``, by default ``min(long_threshold, chunk_size // 4)``
-        (at least 1)."""
+        with decodes or short prompts: ``long_prefill_chunk``, by default ``min(long_threshold, token_budget // 4)``
+        (at least 1; ``token_budget`` is ``chunk_size``, or ``max_num_batched_tokens`` for ``"auto"``)."""
         if self.long_prefill_chunk is not None:
             return self.long_prefill_chunk
-        return max(min(self.long_threshold or self.chunk_size, self.chunk_size // 4), 1)
+        budget = self.token_budget
+        return max(min(self.long_threshold or budget, budget // 4), 1)
 
     @property
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.num_blocks)
+
+    def _check_auto_budget(self) -> None:
+        if not self.auto_budget:
+            return
+        if self.policy not in CHUNKED_POLICIES:
+            raise ValueError(f"chunk_size='auto' needs a chunked policy ({', '.join(CHUNKED_POLICIES)}), "
+                             f"not {self.policy!r}")
+        slo = self.tbt_slo
+        if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not math.isfinite(slo) or slo <= 0:
+            raise ValueError(f"tbt_slo={slo!r} must be a positive number of seconds with chunk_size='auto'")
+        safety = self.budget_safety
+        if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not 0 < safety <= 1:
+            raise ValueError(f"budget_safety={safety!r} must be in (0, 1]")
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -7,15 +7,17 @@ prompts mid-prefill, admit waiting prompts.
 from __future__ import annotations
 
 from .base import Scheduler
+from .budget import StepTimePredictor
 from .config import SchedulerConfig
 from .output import SchedulerOutput
 
 
 class SarathiScheduler(Scheduler):
-    """Stall-free hybrid batches (Sarathi-Serve). Token budget ``chunk_size``: every running decode first, then
-    prompts already mid-prefill, then waiting prompts admitted in arrival order, each taking a chunk of what is
-    left. No decode waits while a prompt is prefilled. With ``hol_protection``, short prompts go before long
-    ones in that order (``Scheduler._schedule_prefills_protected``)."""
+    """Stall-free hybrid batches (Sarathi-Serve). Token budget ``chunk_size`` (or, with ``"auto"``, chosen each
+    iteration: ``Scheduler._prefill_budget``): every running decode first, then prompts already mid-prefill,
+    then waiting prompts admitted in arrival order, each taking a chunk of what is left. No decode waits while a
+    prompt is prefilled. With ``hol_protection``, short prompts go before long ones in that order
+    (``Scheduler._schedule_prefills_protected``)."""
 
     policy = "sarathi"
     chunked = True
@@ -23,7 +25,7 @@ class SarathiScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         prefills = self._schedule_decodes(out)
-        self._schedule_prefills(prefills, self.config.chunk_size - out.num_decode_tokens, out)
+        self._schedule_prefills(prefills, self._prefill_budget(out, prefills), out)
         return out
 
 
@@ -80,8 +82,8 @@ class SimpleChunkingScheduler(Scheduler):
     policy = "simple_chunking"
     chunked = True
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None) -> None:
+        super().__init__(config, predictor)
         self._last_was_prefill = False
 
     def schedule(self) -> SchedulerOutput:
@@ -89,11 +91,11 @@ class SimpleChunkingScheduler(Scheduler):
         prefills = [r for r in self.running if r.num_computed_tokens < r.num_prefill_tokens]
         has_decodes = len(prefills) < len(self.running)
         if not (has_decodes and self._last_was_prefill):
-            self._schedule_prefills(prefills, self.config.chunk_size, out)
+            self._schedule_prefills(prefills, self._prefill_budget(out, prefills), out)
         if out.is_empty:
             prefills = self._schedule_decodes(out)
             if out.is_empty:  # every decode was preempted to make room: chunk prompts rather than run nothing
-                self._schedule_prefills(prefills, self.config.chunk_size, out)
+                self._schedule_prefills(prefills, self._prefill_budget(out, prefills), out)
         self._last_was_prefill = out.num_prefills > 0
         return out
 
@@ -104,7 +106,9 @@ _POLICY_CLASSES: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: SchedulerConfig | None = None) -> Scheduler:
-    """The scheduler for ``config.policy`` (default: ``SchedulerConfig()``, the ``sarathi`` policy)."""
+def make_scheduler(config: SchedulerConfig | None = None, predictor: StepTimePredictor | None = None) -> Scheduler:
+    """The scheduler for ``config.policy`` (default: ``SchedulerConfig()``, the ``sarathi`` policy).
+
+    predictor: the step-time model ``chunk_size="auto"`` needs (see ``sarathi_lite.scheduler.budget``)."""
     config = config or SchedulerConfig()
-    return _POLICY_CLASSES[config.policy](config)
+    return _POLICY_CLASSES[config.policy](config, predictor)

@@ -14,7 +14,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_la
 
 
 def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of ``kind`` (llama | llama3 | mistral | qwen2) as a safetensors checkpoint."""
+    """Save a tiny random model of ``kind`` (llama | llama3 | llama_hd64 | mistral | qwen2) as safetensors."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -33,6 +33,9 @@ def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=rope))
     elif kind == "mistral":  # a sliding window shorter than the longest prompts
         model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=48, head_dim=16))
+    elif kind == "llama_hd64":  # head_dim 64: a size FlashInfer's kernels take (they have no head_dim 16)
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 128, "num_attention_heads": 2,
+                                                "num_key_value_heads": 1}, tie_word_embeddings=False))
     elif kind == "qwen2":  # q/k/v bias, tied embeddings
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
         with torch.no_grad():
@@ -49,7 +52,7 @@ def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {k: make_tiny_checkpoint(k, root / k) for k in ("llama", "llama3", "mistral", "qwen2")}
+    return {k: make_tiny_checkpoint(k, root / k) for k in ("llama", "llama3", "llama_hd64", "mistral", "qwen2")}
 
 
 class HFReference:

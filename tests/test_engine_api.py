@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sarathi_lite import LLM, LLMEngine, SamplingParams
+from sarathi_lite.sim.cost_model import ProfiledCostModel
 
 
 @pytest.fixture()
@@ -187,6 +188,25 @@ def test_engine_options_are_validated(tiny_checkpoints):
         LLMEngine(path, device="cpu", scheduler="fifo")
     with pytest.raises(ValueError, match="neither a built-in name"):
         LLMEngine(path / "missing", device="cpu")
+
+
+def test_auto_chunk_size_from_a_profile_file_keeps_greedy_outputs_exact(tiny_checkpoints, hf_reference, tmp_path):
+    profile = ProfiledCostModel((1, 64), (0.002, 0.008)).save(tmp_path / "profile.json")
+    llm = LLM(tiny_checkpoints["llama"], chunk_size="auto", tbt_slo=0.004, min_chunk_size=8, cost_model=profile,
+              block_size=4, device="cpu")
+    prompts = [[5, 6, 7] * 30, [9] * 3, [11, 12] * 40]
+    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
+    ref = hf_reference("llama")
+    for prompt, o in zip(prompts, outs):
+        assert o.token_ids == ref.generate(prompt, 6)
+    assert llm.engine.scheduler.budget.correction != 1.0  # every measured step was fed back
+    with pytest.raises(ValueError, match="needs cost_model="):
+        LLMEngine(tiny_checkpoints["llama"], device="cpu", chunk_size="auto", tbt_slo=0.2)
+    with pytest.raises(ValueError, match="tbt_slo=None"):
+        LLMEngine(tiny_checkpoints["llama"], device="cpu", chunk_size="auto", cost_model=profile)
+    with pytest.raises(ValueError, match="neither a profile JSON"):
+        LLMEngine(tiny_checkpoints["llama"], device="cpu", chunk_size="auto", tbt_slo=0.2,
+                  cost_model=tmp_path / "missing.json")
 
 
 def test_kv_pool_is_sized_from_a_memory_budget(tiny_checkpoints):

@@ -53,7 +53,7 @@ def test_greedy_matches_hf_when_a_small_kv_pool_forces_preemption(tiny_checkpoin
 
 
 @pytest.mark.parametrize("chunk_size", [7, 4096])
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "llama_hd64", "mistral", "qwen2"])
 def test_greedy_matches_hf_for_llama3_mistral_and_qwen2(tiny_checkpoints, hf_reference, kind, chunk_size):
     engine = LLMEngine(tiny_checkpoints[kind], scheduler="sarathi", chunk_size=chunk_size, block_size=16,
                        num_kv_blocks=32, device="cpu", attention_backend="torch")
@@ -77,12 +77,12 @@ def test_greedy_matches_hf_on_cuda_in_float32(tiny_checkpoints, hf_reference, po
 def test_flashinfer_bf16_engine_tracks_hf_within_bf16_rounding(tiny_checkpoints, hf_reference, chunk_size):
     """bf16 rounds logits at ~1e-2, so greedy may flip wherever HF's top two are that close; every token we pick
     must be within that of HF's float32 argmax under teacher forcing, and logprobs within bf16 error."""
-    engine = LLMEngine(tiny_checkpoints["llama"], chunk_size=chunk_size, block_size=16, num_kv_blocks=256,
+    engine = LLMEngine(tiny_checkpoints["llama_hd64"], chunk_size=chunk_size, block_size=16, num_kv_blocks=256,
                        device="cuda", dtype="bfloat16", attention_backend="flashinfer")
     assert engine.runner.attention_backend == "flashinfer"
     work = workload(9)
     results = run_staggered(engine, work)
-    ref = hf_reference("llama")
+    ref = hf_reference("llama_hd64")
     for i, (prompt, _) in enumerate(work):
         _, tokens, logprobs = results[f"r{i}"]
         logits = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]

@@ -23,6 +23,7 @@ ALLOWED = {
     "engine": {"scheduler", "kernels", "models", "metrics"},
     "bench": {"scheduler", "metrics", "engine"},
     "sim": {"scheduler", "metrics", "models", "engine", "bench"},
+    "server": {"engine"},
     "cli": {"scheduler", "metrics", "engine", "bench", "sim"},
     "__main__": {"cli"},
 }

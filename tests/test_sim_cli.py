@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.cli import main
 from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel
@@ -55,6 +57,24 @@ def test_sim_capacity_search_with_the_roofline_model(tmp_path, capsys):
     assert all(len(c["probes"]) <= 6 for c in found) and (tmp_path / "capacity.png").is_file()
 
 
+def test_sim_auto_chunk_size_sweeps_and_searches_capacity_beside_fixed_ones(tmp_path, capsys):
+    roofline = ["sim", "--cost-model", "roofline:h100:llama3-8b", *WORKLOAD, "--policies", "sarathi"]
+    assert main([*roofline, "--chunk-sizes", "64,auto", "--tbt-slo", "0.02", "--out", str(tmp_path / "sweep")]) == 0
+    assert "sarathi/64" in capsys.readouterr().out
+    result = BenchResult.from_json(tmp_path / "sweep" / "sarathi_auto.json")
+    assert result.config["chunk_size"] == "auto" and result.config["tbt_slo"] == 0.02
+    assert max(it.step_time for it in result.stats.iterations) <= 0.02 * 0.9  # the roofline predicts exactly
+    assert main([*roofline, "--capacity", "--chunk-size", "auto", "--tbt-slo", "0.02", "--qps-low", "1",
+                 "--qps-high", "400", "--probes", "4", "--out", str(tmp_path)]) == 0
+    assert "sarathi/auto" in capsys.readouterr().out
+    assert main([*roofline, "--chunk-size", "auto", "--out", str(tmp_path)]) == 2
+    assert "tbt_slo=None" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*roofline, "--chunk-size", "big", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "--chunk-size" in err and "'big'" in err
+
+
 def test_sim_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["sim", "--cost-model", str(tmp_path / "none.json"), *WORKLOAD, "--out", str(tmp_path)]) == 2
     assert "neither a profile JSON" in capsys.readouterr().err
@@ -80,3 +100,17 @@ def test_sim_protects_short_requests_on_long_context_traffic_by_default(tmp_path
         ttft[bool(flag)] = short[int(0.9 * len(short))]
     capsys.readouterr()
     assert ttft[False] < ttft[True] / 2, ttft
+
+
+def test_quick_profile_grid_covers_long_context_chunks_and_many_decode_hybrids():
+    from sarathi_lite.sim.profiler import profile_grid
+
+    grid = profile_grid(quick=True, max_tokens=256, max_context=512, max_decodes=32)
+    assert len(grid) < len(profile_grid(max_tokens=256, max_context=512, max_decodes=32))
+    long_chunks = {s.chunks[0][1] for s in grid if not s.decode_contexts and s.chunks[0][0] == 512}
+    assert long_chunks == {16, 32, 64, 128, 256}  # every power of two, after max_context cached tokens
+    hybrids = [s for s in grid if s.decode_contexts and s.chunks]
+    assert hybrids and all(len(s.decode_contexts) == min(32, (len(s.decode_contexts) + s.chunks[0][1]) // 2)
+                           for s in hybrids)
+    assert max(len(s.decode_contexts) for s in hybrids) == 32 and all(s.chunks[0][0] == 512 for s in hybrids)
+    assert max(max(s.decode_contexts) for s in grid if s.decode_contexts) > 256  # long decode contexts too

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from sarathi_lite.bench import replay as bench
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.cli import main
+from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.model_runner import ModelRunner
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
 from sarathi_lite.sim.cost_model import ProfiledCostModel, ReplayCostModel
 from sarathi_lite.sim.roofline import roofline
 from sarathi_lite.sim.simulator import run as sim_run
 from sarathi_lite.sim.simulator import simulate
+from sarathi_lite.sim.validate import validate
 
 ENGINE = dict(block_size=4, num_kv_blocks=30, device="cpu")  # 120 token slots: the offline run preempts
 CHUNK = 16
@@ -143,3 +147,64 @@ def test_a_simulated_result_has_the_bench_result_schema(online):
     assert s["meta"]["replay"] == "simulated" and r["meta"]["replay"] == "real-time"
     assert BenchResult.from_json(sim.to_json()).summary() == sim.summary()
     assert {k: v[0].keys() for k, v in sim.tables().items()} == {k: v[0].keys() for k, v in real.tables().items()}
+
+
+AUTO_PREDICTOR = ProfiledCostModel((1, 64), (0.002, 0.008))  # 2 ms + ~0.1 ms per token
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
+def test_online_auto_budget_schedules_the_real_batches_when_replaying_measured_step_times(
+        tiny_checkpoints, one_thread, policy):
+    """``chunk_size="auto"``: the engine corrects the predictor with every measured step; the simulator, fed the
+    same step times, makes the same corrections and so the same budgets."""
+    clock = VirtualClock()
+    execute = ModelRunner.execute
+
+    def timed(self, out, params):
+        t0 = time.perf_counter()
+        result = execute(self, out, params)
+        clock.now += time.perf_counter() - t0
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "execute", timed)
+        mp.setattr(bench.time, "sleep", clock.sleep)
+        engine = LLMEngine(tiny_checkpoints["llama"], scheduler=policy, chunk_size="auto", tbt_slo=0.006,
+                           budget_safety=1.0, min_chunk_size=4, cost_model=AUTO_PREDICTOR, clock=clock,
+                           record_batches=True, block_size=4, num_kv_blocks=512, device="cpu")
+        real = bench.replay(engine, ONLINE, progress=False)
+    assert real.config["chunk_size"] == "auto" and real.config["tbt_slo"] == 0.006
+    assert engine.scheduler.budget.correction != 1.0  # the measured steps moved the predictions
+    prefill = {it.num_prefill_tokens for it in real.stats.iterations}
+    assert len(prefill) > 3  # the budget varied
+    config = SchedulerConfig(policy=policy, chunk_size="auto", tbt_slo=0.006, budget_safety=1.0, min_chunk_size=4,
+                             block_size=4, num_blocks=512, max_model_len=real.config["max_model_len"])
+    sim = simulate(ONLINE, ReplayCostModel.from_result(real), config, predictor=AUTO_PREDICTOR, record_batches=True)
+    assert batches(sim) == batches(real)
+    # Not vacuous: with the predictor's own step times (so no correction), other budgets and batches.
+    uncorrected = simulate(ONLINE, AUTO_PREDICTOR, config, record_batches=True)
+    assert batches(uncorrected) != batches(real)
+
+
+def test_validate_rebuilds_every_real_batch_and_groups_the_step_errors(online, tmp_path, capsys):
+    constant = ProfiledCostModel((1, 2), (0.001, 0.001))  # 1 ms, whatever the batch
+    for r in online:
+        check = validate(r, constant, long_context=40)
+        assert check.unmatched == 0 and len(check.steps) == len(r.stats.iterations), r.label
+        assert [s.measured for s in check.steps] == [it.step_time for it in r.stats.iterations]
+        assert all(s.error == pytest.approx(0.001 / s.measured - 1) for s in check.steps)
+    sarathi = validate(next(r for r in online if r.config["policy"] == "sarathi"), constant, long_context=40)
+    groups = {(g["kind"], g["context"]): g for g in sarathi.groups()}
+    assert {k for k, _ in groups} == {"decode-only", "chunk-only", "hybrid", "all"}
+    assert {c for _, c in groups} == {"short", "long", "all"}
+    assert sum(g["n"] for k, g in groups.items() if k[0] != "all") == groups["all", "all"]["n"]
+    ratios = sorted(s.measured / 0.001 for s in sarathi.steps)  # scale: the median measured / predicted
+    assert sarathi.scale == pytest.approx(float(np.median(ratios)))
+    path = tmp_path / "run.json"
+    online[0].to_json(path)
+    assert main(["sim", "--cost-model", "roofline:h100:smollm2-135m", "--validate", str(path),
+                 "--out", str(tmp_path)]) == 0
+    assert "decode-only" in capsys.readouterr().out and (tmp_path / "validate_run.json").is_file()
+    simulated = simulate(ONLINE, constant, scheduler_config(online[0]))
+    with pytest.raises(ValueError, match="needs a real run"):
+        validate(simulated, constant)

@@ -27,7 +27,7 @@ from sarathi_lite.scheduler import CHUNKED_POLICIES, SchedulerConfig
 SCHEMA = "sarathi-lite/bench-result/1"
 
 
-def config_label(policy: str, chunk_size: int) -> str:
+def config_label(policy: str, chunk_size: int | str | None) -> str:
     """``"sarathi/256"`` for chunked policies; the policy alone for the others (their chunk size is unused)."""
     return f"{policy}/{chunk_size}" if policy in CHUNKED_POLICIES else policy
 
@@ -46,15 +46,17 @@ def host() -> str:
     return f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs"
 
 
-def run_config(cfg: SchedulerConfig, chunk_size: int | None, *, model: str | None, dtype: str | None,
+def run_config(cfg: SchedulerConfig, chunk_size: int | str | None, *, model: str | None, dtype: str | None,
                device: str | None, attention_backend: str | None) -> dict[str, Any]:
     """The configuration record of a result: policy, chunk size (``None`` means ``cfg.chunk_size`` for chunked
-    policies and stays ``None`` for unchunked ones), the token budget and KV pool, whether head-of-line
-    protection ran, and the model and engine settings that shape timing (for a simulation: what it models)."""
+    policies and stays ``None`` for unchunked ones), the token budget (the most per iteration) and, for
+    ``chunk_size="auto"``, its TBT target ``tbt_slo``, the KV pool, whether head-of-line protection ran, and the
+    model and engine settings that shape timing (for a simulation: what it models)."""
     if chunk_size is None and cfg.policy in CHUNKED_POLICIES:
         chunk_size = cfg.chunk_size
     return {"label": config_label(cfg.policy, chunk_size), "policy": cfg.policy, "chunk_size": chunk_size,
-            "token_budget": cfg.token_budget, "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
+            "token_budget": cfg.token_budget, "tbt_slo": cfg.tbt_slo if cfg.auto_budget else None,
+            "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
             "num_kv_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len,
             "enable_prefix_caching": cfg.enable_prefix_caching, "hol_protection": cfg.protects_short_prompts,
             "model": model, "dtype": dtype,

@@ -5,6 +5,10 @@ write JSON/CSV (and with ``--plot`` a PNG) to ``--out``; ``--cost-per-token`` ti
 and prefill batches instead. capacity: per policy, binary-search the highest rate (requests/s) that meets a P99
 TBT SLO and a median scheduling-delay bound.
 
+bench --backend openai --base-url URL: replay the same workload against any OpenAI-compatible server
+(``sarathi-lite serve``, vLLM, SGLang) over HTTP with streaming, timing TTFT and TBT at the client
+(``sarathi_lite.bench.http_client``); the engine flags are then unused.
+
 The default workload: 30 requests of the conversation trace from row 1000 (its first rows are a warm-up with
 shorter prompts), prompt and output lengths scaled by 1/4 and clipped to 1024 / 128 tokens, Poisson arrivals at
 0.5 requests/s; sarathi (at ``--chunk-size``) against vllm.
@@ -52,10 +56,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _cost_per_token(args, config)
     workload = build_workload(args)
     print(f"workload: {workload.describe()}")
+    if args.backend == "openai":
+        return _bench_http(args, workload)
     results = replay.run(workload, policies=policies(args), chunk_sizes=args.chunk_sizes or [config.chunk_size],
                          model=config.model, progress=not args.no_progress, **_shared_options(config))
     print(f"\n{results[0].meta['machine']}; load average {results[0].meta['load_average_start'][0]:.2f} at start")
     save_comparison(results, args.out, plot="bench.png" if args.plot else None)
+    return 0
+
+
+def _bench_http(args: argparse.Namespace, workload: Any) -> int:
+    from sarathi_lite.bench.http_client import replay_http
+
+    if not args.base_url:
+        raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
+    result = replay_http(workload, args.base_url, model=args.served_model, api_key=args.api_key,
+                         vocab_size=args.vocab_size, label=args.label, progress=not args.no_progress,
+                         continuous_usage=not args.no_continuous_usage)
+    print(f"\n{args.base_url} from {result.meta['machine']}; load average "
+          f"{result.meta['load_average_start'][0]:.2f} at start; {result.meta['num_errors']} failed requests")
+    save_comparison([result], args.out, plot="bench.png" if args.plot else None)
     return 0
 
 
@@ -104,6 +124,18 @@ def add_bench_parsers(sub: Any) -> None:
                    help="instead: time decode-only, hybrid and prefill-only batches of equal size")
     b.add_argument("--cost-tokens", type=int, default=128, help="tokens per batch for --cost-per-token")
     b.add_argument("--cost-context", type=int, default=128, help="cached tokens per decode for --cost-per-token")
+    h = b.add_argument_group("any OpenAI-compatible server (--backend openai)")
+    h.add_argument("--backend", choices=("sarathi", "openai"), default="sarathi",
+                   help="sarathi: replay in-process; openai: replay over HTTP against --base-url")
+    h.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000")
+    h.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    h.add_argument("--api-key", default=None, help="sent as a bearer token")
+    h.add_argument("--vocab-size", type=int, default=32000,
+                   help="prompt token ids are drawn below this; the model's vocabulary size replays the "
+                        "in-process prompts exactly")
+    h.add_argument("--label", default=None, help="the result's label (default openai:<model>)")
+    h.add_argument("--no-continuous-usage", action="store_true",
+                   help="count one token per streamed chunk instead of asking for usage in every chunk")
     add_threads_arg(b)
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
@@ -115,5 +147,5 @@ def add_bench_parsers(sub: Any) -> None:
     c.add_argument("--out", default="results/capacity")
     c.add_argument("--no-progress", action="store_true")
     add_threads_arg(c)
-    add_engine_args(c)
+    add_engine_args(c, exclude=("tbt_slo",))  # --tbt-slo is the SLO's, and also auto's target
     c.set_defaults(func=cmd_capacity)

@@ -21,7 +21,7 @@ from sarathi_lite.bench.capacity import SLO, CapacityResult
 from sarathi_lite.bench.plots import plot_capacity, plot_results
 from sarathi_lite.bench.results import BenchResult, compare, save_results
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.engine.config import SCHEDULER_FIELDS, EngineConfig
+from sarathi_lite.engine.config import SCHEDULER_FIELDS, EngineConfig, parse_chunk_size
 from sarathi_lite.scheduler import POLICIES
 
 # The fields that shape what the scheduler does, which the simulator models (no model, no device). A field
@@ -188,8 +188,9 @@ def add_sweep_args(p: argparse.ArgumentParser, *, chunk_sizes: bool = True) -> N
     p.add_argument("--policies", type=csv_of(str), default=None,
                    help=f"comma-separated, of {','.join(POLICIES)} (default: --scheduler, else sarathi,vllm)")
     if chunk_sizes:
-        p.add_argument("--chunk-sizes", type=csv_of(int), default=None,
-                       help="comma-separated chunk sizes for the chunked policies (default: --chunk-size)")
+        p.add_argument("--chunk-sizes", type=csv_of(parse_chunk_size), default=None,
+                       help="comma-separated chunk sizes (or auto) for the chunked policies (default: "
+                            "--chunk-size)")
 
 
 def policies(args: argparse.Namespace) -> list[str]:
@@ -203,7 +204,8 @@ def policies(args: argparse.Namespace) -> list[str]:
 
 def add_capacity_args(g: Any, *, tbt_required: bool, probes: int, probes_help: str) -> None:
     """The capacity search's flags (SLO, rate range, probes), shared by ``capacity`` and ``sim --capacity``."""
-    g.add_argument("--tbt-slo", type=float, required=tbt_required, default=None, help="P99 TBT bound (seconds)")
+    g.add_argument("--tbt-slo", type=float, required=tbt_required, default=None,
+                   help="P99 TBT bound (seconds); also the per-iteration target of --chunk-size auto")
     g.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
     g.add_argument("--qps-low", type=float, default=0.1)
     g.add_argument("--qps-high", type=float, default=2.0)

@@ -3,7 +3,9 @@
 sim: the same workload and comparison flags as ``bench`` (``--policies`` x ``--chunk-sizes``) and the
 scheduler-side engine flags, plus ``--cost-model`` (a profile JSON from ``sarathi-lite profile``, or
 ``roofline:HW[:MODEL]``); prints the same table, writes the same JSON/CSV (and with ``--plot`` a PNG).
-``--capacity`` searches each policy's capacity under ``--tbt-slo`` instead, as ``sarathi-lite capacity`` does.
+``--capacity`` searches each policy's capacity under ``--tbt-slo`` instead, as ``sarathi-lite capacity`` does;
+``--validate RUN.json`` predicts every iteration of real runs and prints the per-step error by batch kind.
+``--chunk-size auto`` (or ``auto`` among ``--chunk-sizes``) picks every budget from ``--cost-model`` itself.
 profile: time this machine's model runner over a grid of batch shapes and save the fitted cost model
 (``--quick``: about a third of the grid).
 """
@@ -35,14 +37,16 @@ from sarathi_lite.sim.cost_model import CostModel
 
 # What profile does not take: the scheduler's settings (it times batches it builds itself, and calibrates at
 # the profiler's own chunk size) and the records' options.
-_PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "record_batches")
+_PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "record_batches", "cost_model")
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
     cost_model = sim.load_cost_model(args.cost_model)
+    if args.validate:
+        return _validate(args, cost_model)
     workload = build_workload(args)
-    config = engine_config(args, SIM_FIELDS)
-    options = {f: getattr(config, f) for f in SIM_FIELDS if f not in ("policy", "chunk_size")}
+    config = engine_config(args, SIM_FIELDS, cost_model=cost_model)  # auto: the cost model picks the budgets
+    options = {f: getattr(config, f) for f in SIM_FIELDS if f not in ("policy", "chunk_size", "cost_model")}
     print(f"workload: {workload.describe()}")
     print(f"cost model: {_describe(cost_model.describe())}")
     if args.capacity:
@@ -55,7 +59,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Any, chunk_size: int,
+def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Any, chunk_size: int | str,
               options: dict[str, Any]) -> int:
     if args.tbt_slo is None:
         raise ValueError("--capacity needs --tbt-slo (seconds)")
@@ -63,6 +67,27 @@ def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Any, ch
     found = sim.capacity(workload, cost_model, slo, policies=policies(args), chunk_size=chunk_size,
                          qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, **options)
     save_capacity(found, args.out, plot=args.plot)
+    return 0
+
+
+def _validate(args: argparse.Namespace, cost_model: CostModel) -> int:
+    import json
+    from pathlib import Path
+
+    from sarathi_lite.bench.results import BenchResult
+    from sarathi_lite.sim.validate import validate
+
+    print(f"cost model: {_describe(cost_model.describe())}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in args.validate:
+        check = validate(BenchResult.from_json(path), cost_model, long_context=args.long_context)
+        print(f"\n{path}: {check.label}, {len(check.steps)} steps predicted ({check.unmatched} not rebuilt); "
+              f"error = predicted / measured - 1, long context: > {check.long_context} tokens")
+        print(check.table())
+        target = out / f"validate_{Path(path).stem}.json"
+        target.write_text(json.dumps(check.to_dict(), indent=1))
+        print(f"wrote {target}")
     return 0
 
 
@@ -108,12 +133,19 @@ def add_sim_parsers(sub: Any) -> None:
     add_sweep_args(s)
     s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
     s.add_argument("--plot", action="store_true", help="also write sim.png (capacity.png with --capacity)")
+    v = s.add_argument_group("cost model check (--validate)")
+    v.add_argument("--validate", nargs="+", default=None, metavar="RUN.json",
+                   help="instead: predict every iteration of these real runs (bench result JSON files) and print "
+                        "the per-step error by batch kind and context")
+    v.add_argument("--long-context", type=int, default=512,
+                   help="with --validate: a batch whose longest context exceeds this (tokens) counts as long")
     g = s.add_argument_group("capacity search (--capacity)")
     g.add_argument("--capacity", action="store_true",
                    help="instead: per policy, the highest rate meeting --tbt-slo and --max-scheduling-delay")
     add_capacity_args(g, tbt_required=False, probes=8, probes_help="simulations per policy")
     # num_kv_blocks None: what the engine would allocate on the modelled deployment
-    add_engine_args(s, fields=SIM_FIELDS)
+    # --tbt-slo is the capacity flag (also auto's target); --cost-model the simulator's own (also auto's model)
+    add_engine_args(s, fields=SIM_FIELDS, exclude=("tbt_slo", "cost_model"))
     s.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("profile", help="time this machine's model runner over batch shapes; save a cost model")

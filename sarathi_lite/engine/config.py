@@ -22,6 +22,16 @@ def _scheduler_option(name: str, help_text: str, **metadata: Any) -> Any:
     return field(default=_SCHEDULER_DEFAULTS[name], metadata={"help": help_text, **metadata})
 
 
+def parse_chunk_size(text: str) -> int | str:
+    """A chunk size from text: a token count, or ``"auto"``. Raises ``ValueError`` naming other text."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"chunk size {text!r} is neither a token count nor 'auto'") from None
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """What an ``LLMEngine`` runs and how: every engine option, validated, with its one default. Sizes in tokens
@@ -35,8 +45,9 @@ class EngineConfig:
     model: str | None = field(default=None, metadata={
         "help": "a built-in name (default: the embedded smollm2-135m) or a local Hugging Face checkpoint folder"})
     policy: str = _scheduler_option("policy", "the batching policy", flag="scheduler", choices=POLICIES)
-    chunk_size: int = _scheduler_option(
-        "chunk_size", "token budget per iteration of the chunked policies (sarathi, simple_chunking)")
+    chunk_size: int | str = _scheduler_option(
+        "chunk_size", "token budget per iteration of the chunked policies (sarathi, simple_chunking), or auto: "
+        "each iteration's budget chosen so the step cost_model predicts fits tbt_slo", type=parse_chunk_size)
     max_num_seqs: int = _scheduler_option("max_num_seqs", "most requests running (holding KV blocks) at once")
     max_num_batched_tokens: int | None = _scheduler_option(
         "max_num_batched_tokens",
@@ -61,6 +72,19 @@ class EngineConfig:
     long_prefill_chunk: int | None = _scheduler_option(
         "long_prefill_chunk", "with hol_protection, most prefill tokens long prompts get in an iteration shared "
         "with decodes or short prompts (default: min(long_prefill_token_threshold, chunk_size // 4))")
+    tbt_slo: float | None = _scheduler_option(
+        "tbt_slo", "with chunk_size auto: the time-between-tokens target of every iteration (seconds)")
+    budget_safety: float = _scheduler_option(
+        "budget_safety", "with chunk_size auto: the fraction of tbt_slo a predicted step may take (room for the "
+        "step-to-step spread)")
+    min_chunk_size: int = _scheduler_option(
+        "min_chunk_size", "with chunk_size auto: prefill tokens granted every iteration a prompt waits, even past "
+        "tbt_slo (so prompts never starve)")
+    cost_model: Any = field(default=None, metadata={
+        "type": str, "sim": True,
+        "help": "with chunk_size auto: the step-time model, a profile JSON (sarathi-lite profile) or "
+                "roofline:HW[:MODEL] (from Python also any object with predict_step_time); every measured step "
+                "corrects it online"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks (default: derived from kv_cache_memory, or on CUDA from "
                 "gpu_memory_utilization)"})
@@ -81,6 +105,9 @@ class EngineConfig:
         "choices": LOAD_FORMATS, "help": "auto: safetensors; dummy: random weights (to benchmark model shapes)"})
     record_batches: bool = field(default=False, metadata={
         "help": "keep every iteration's batch composition in the iteration records"})
+    stats_window: int | None = field(default=None, metadata={
+        "help": "keep the records of only the last this many finished requests and iterations (bounded memory "
+                "for a long-running server; stats() then covers that window; default: keep every record)"})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the engine spawns "
                 "ranks 1.. as worker processes (or torchrun launched them); each holds 1/N of the weights and KV "
@@ -98,12 +125,17 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "tensor_parallel_size"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if isinstance(self.cost_model, Path):
+            self.cost_model = str(self.cost_model)
+        if self.chunk_size == "auto" and self.cost_model is None:
+            raise ValueError("chunk_size='auto' needs cost_model= (a profile JSON, roofline:HW[:MODEL], or an "
+                             "object with predict_step_time) to choose each iteration's budget")
         # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
         self.scheduler_config(num_blocks=self.num_kv_blocks, max_model_len=1)
 

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from sarathi_lite.engine.config import EngineConfig
+from sarathi_lite.engine.detokenizer import IncrementalDetokenizer
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
-from sarathi_lite.metrics import MetricsRecorder, Stats
+from sarathi_lite.metrics import MetricsRecorder, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.loader import load_model
@@ -38,7 +39,11 @@ class _Entry:
     request: Request
     prompt: str | None
     params: SamplingParams
+    metrics: RequestMetrics
+    detokenizer: IncrementalDetokenizer
     logprobs: list[Any] | None = field(default=None)
+    # EOS and stop tokens the sampler must not pick while fewer than ``min_tokens`` tokens are out
+    banned: tuple[int, ...] = ()
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -96,7 +101,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %d, max_model_len %d, "
+        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %s, max_model_len %d, "
                     "tensor_parallel_size %d", time.perf_counter() - t0, self.model_path.name, self.device,
                     str(self.dtype).split(".")[-1], config.policy, config.chunk_size,
                     self.scheduler_config.max_model_len, tp_size)
@@ -119,13 +124,13 @@ class LLMEngine:
             pool = self.workers.agree_pool(config, pool, self.model_config.max_position_embeddings)
         max_model_len = pool.max_model_len
         self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
-        self.scheduler = make_scheduler(self.scheduler_config)
+        self.scheduler = make_scheduler(self.scheduler_config, _predictor(config))
         self.runner = ModelRunner(self.model, block_size=pool.block_size, num_blocks=pool.num_blocks,
                                   device=self.device, dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
-        self.metrics = MetricsRecorder(record_batches=config.record_batches)
+        self.metrics = MetricsRecorder(record_batches=config.record_batches, window=config.stats_window)
         self._entries: dict[str, _Entry] = {}
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
@@ -146,14 +151,19 @@ class LLMEngine:
         arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params.max_tokens, stop, arrival)
         self.scheduler.add(request)
-        self._entries[request_id] = _Entry(request, text, params, [] if params.logprobs is not None else None)
-        self.metrics.add(request_id, arrival, len(token_ids))
+        self._entries[request_id] = _Entry(
+            request, text, params, self.metrics.add(request_id, arrival, len(token_ids)),
+            IncrementalDetokenizer(self.tokenizer, request.output_token_ids, params),
+            [] if params.logprobs is not None else None, tuple(sorted(stop)) if params.min_tokens else ())
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request in any state and free its KV blocks. Raises ``ValueError`` for an unknown id."""
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
+        ``"abort"``). Raises ``ValueError`` for an unknown id."""
         self.scheduler.abort(request_id)
         self.metrics.finish(request_id, self.clock(), "abort")
+        entry = self._entries[request_id]
         self._release(request_id)
+        return self._output(entry, [], "")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (e.g. between benchmark runs); returns the blocks dropped."""
@@ -181,10 +191,15 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
             return StepResult({}, {})
-        params = {s.request_id: self._entries[s.request_id].params for s in out.scheduled if s.sample}
-        if self.workers is None:
-            return self.runner.execute(out, params)
-        return self.workers.execute(self.runner, out, params)
+        entries = self._entries
+        sampling = [entries[s.request_id] for s in out.scheduled if s.sample]
+        banned = {e.request.request_id: e.banned for e in sampling
+                  if e.banned and len(e.request.output_token_ids) < e.params.min_tokens}
+        params = {e.request.request_id: e.params for e in sampling}
+        if self.workers is not None:
+            return self.workers.execute(self.runner, out, params, banned)
+        # banned only when a request needs it, so code that wraps execute(out, params) to time it keeps working
+        return self.runner.execute(out, params, banned=banned) if banned else self.runner.execute(out, params)
 
     def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
                      ) -> list[RequestOutput]:
@@ -193,23 +208,42 @@ class LLMEngine:
         if out.is_empty:
             return []
         self.metrics.record_step(out, start, scheduled, end, finished)
+        self.scheduler.observe(out, end - start)
         outputs = []
-        for rid in result.tokens:
+        for rid, token in result.tokens.items():
             entry = self._entries.get(rid)
             if entry is None:
                 continue
+            new_logprobs = None
             if entry.logprobs is not None:
-                entry.logprobs.append(result.logprobs.get(rid))
-            outputs.append(self._output(entry))
-        for req in finished:
-            self._release(req.request_id)
+                new_logprobs = [result.logprobs.get(rid)]
+                entry.logprobs.append(new_logprobs[0])
+            req = entry.request
+            text = entry.detokenizer.update(req.finish_reason is not None)
+            if entry.detokenizer.stop_reason is not None and req.finish_reason is None:
+                self._stop_on_string(req, end)
+            outputs.append(self._output(entry, [token], text, new_logprobs))
+            if req.finish_reason is not None:
+                self._release(rid)
         return outputs
 
-    def _output(self, entry: _Entry) -> RequestOutput:
+    def _stop_on_string(self, req: Request, now: float) -> None:
+        """End ``req`` because its text matched a stop string: free its blocks, record ``"stop"``."""
+        self.scheduler.abort(req.request_id)
+        req.finish_reason = "stop"
+        self.metrics.finish(req.request_id, now, "stop")
+
+    def _output(self, entry: _Entry, new_token_ids: list[int], new_text: str,
+                new_logprobs: list[Any] | None = None) -> RequestOutput:
         req = entry.request
-        return RequestOutput(req.request_id, entry.prompt, req.prompt_token_ids, list(req.output_token_ids),
-                             req.finish_reason, self.metrics.requests[req.request_id],
-                             None if entry.logprobs is None else list(entry.logprobs), self.tokenizer)
+        out = RequestOutput(req.request_id, entry.prompt, req.prompt_token_ids, new_token_ids, new_text,
+                            len(req.output_token_ids), req.finish_reason, entry.metrics, new_logprobs,
+                            entry.detokenizer.stop_reason)
+        if req.finish_reason is not None:
+            out.token_ids = req.output_token_ids
+            out.text = entry.detokenizer.text
+            out.logprobs = entry.logprobs
+        return out
 
     def _release(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
@@ -229,9 +263,7 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         """Forget the records of finished requests and all iterations (e.g. after a warm-up)."""
-        live = {rid: m for rid, m in self.metrics.requests.items() if rid in self._entries}
-        self.metrics.requests = live
-        self.metrics.iterations = []
+        self.metrics.reset()
 
     def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -244,6 +276,20 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
         return None, token_ids
+
+
+def _predictor(config: EngineConfig) -> Any:
+    """The step-time model of ``chunk_size="auto"`` (``None`` otherwise): ``config.cost_model`` loaded if it is
+    a spec."""
+    if config.chunk_size != "auto":
+        return None
+    if isinstance(config.cost_model, str):
+        # The cost models live in sim/, above the engine; loading one from its spec is the one use the engine
+        # makes of them, at construction, so it imports the loader here rather than at module level.
+        from sarathi_lite.sim.simulator import load_cost_model
+
+        return load_cost_model(config.cost_model)
+    return config.cost_model
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -97,14 +97,16 @@ class ModelRunner:
             attn.backend = self.backends[windows[i]]
             attn.kv_cache = self.kv_cache[i]
 
-    def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> StepResult:
-        """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens."""
+    def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams],
+                banned: Mapping[str, Sequence[int]] | None = None) -> StepResult:
+        """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens.
+        banned: token ids a request's row must not sample this step (``min_tokens``)."""
         logits, rows, prepare_time, forward_time = self.forward(out)
         if logits is None:
             return StepResult({}, {}, prepare_time, forward_time)
         t2 = time.perf_counter()
         ids = [out.scheduled[i].request_id for i in rows]
-        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids])
+        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids], banned)
         return StepResult(dict(zip(ids, tokens)),
                           {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
                           prepare_time, forward_time, time.perf_counter() - t2)

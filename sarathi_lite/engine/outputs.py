@@ -1,4 +1,4 @@
-"""What the engine hands back for a request after a step or at the end of ``generate``."""
+"""What the engine hands back for a request after a step: the step's delta, and the whole output at the end."""
 
 from __future__ import annotations
 
@@ -8,43 +8,49 @@ from sarathi_lite.metrics import RequestMetrics
 
 
 class RequestOutput:
-    """A request's state after a step.
+    """A request's progress in one step; on the step that finishes it, also its whole output.
 
-    token_ids: output tokens so far. text: their decoded text (decoded on first access).
-    finished / finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (``max_tokens`` or
-    ``max_model_len``), ``"abort"``. metrics: the request's timeline (``ttft``, ``tbt``, ``e2e`` in seconds) and
-    ``num_cached_tokens``, the prompt tokens served from the prefix cache.
-    logprobs: per output token, ``(sampled token's logprob, {token_id: logprob} of the top alternatives)`` when
-    ``SamplingParams.logprobs`` is set, else ``None``.
+    Per step (O(new tokens), never a copy of the whole output): ``new_token_ids`` (the tokens sampled this step),
+    ``new_text`` (the text they add, see ``IncrementalDetokenizer``; may be ``""`` while a multi-byte character
+    or a possible stop string is incomplete), ``new_logprobs``, and the cumulative ``num_output_tokens``.
+    finished / finish_reason: ``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (``max_tokens`` or
+    ``max_model_len``), ``"abort"``. stop_reason: the stop string that matched, else ``None``.
+    At the end (``finished``): ``token_ids``, ``text`` (the concatenation of every ``new_text``) and
+    ``logprobs`` (per token ``(sampled token's logprob, {token_id: logprob} of the top alternatives)`` when
+    ``SamplingParams.logprobs`` is set); before the end they are ``None``.
+    metrics: the request's timeline (``ttft``, ``tbt``, ``e2e`` in seconds) and ``num_cached_tokens``, the
+    prompt tokens served from the prefix cache.
     """
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "finish_reason", "metrics", "logprobs",
-                 "_tokenizer", "_text")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "new_token_ids", "new_text", "new_logprobs",
+                 "num_output_tokens", "finish_reason", "stop_reason", "metrics", "token_ids", "text", "logprobs")
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], token_ids: list[int],
-                 finish_reason: str | None, metrics: RequestMetrics, logprobs: list[Any] | None = None,
-                 tokenizer: Any = None) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], new_token_ids: list[int],
+                 new_text: str, num_output_tokens: int, finish_reason: str | None, metrics: RequestMetrics,
+                 new_logprobs: list[Any] | None = None, stop_reason: str | None = None,
+                 token_ids: list[int] | None = None, text: str | None = None, logprobs: list[Any] | None = None
+                 ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.token_ids = token_ids
+        self.new_token_ids = new_token_ids
+        self.new_text = new_text
+        self.new_logprobs = new_logprobs
+        self.num_output_tokens = num_output_tokens
         self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
         self.metrics = metrics
+        self.token_ids = token_ids
+        self.text = text
         self.logprobs = logprobs
-        self._tokenizer = tokenizer
-        self._text: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def text(self) -> str:
-        if self._text is None:
-            self._text = "" if self._tokenizer is None else self._tokenizer.decode(
-                self.token_ids, skip_special_tokens=True)
-        return self._text
-
     def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id!r}, text={self.text!r}, "
-                f"num_tokens={len(self.token_ids)}, finish_reason={self.finish_reason!r})")
+        if self.finished:
+            return (f"RequestOutput(request_id={self.request_id!r}, text={self.text!r}, "
+                    f"num_tokens={self.num_output_tokens}, finish_reason={self.finish_reason!r})")
+        return (f"RequestOutput(request_id={self.request_id!r}, new_text={self.new_text!r}, "
+                f"num_tokens={self.num_output_tokens})")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,10 +19,16 @@ class Sampler:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
-                 ) -> tuple[list[int], list[Any] | None]:
-        """logits: [B, vocab] float32. Returns the B token ids, and per row ``(logprob, {id: logprob})`` or
-        ``None`` (the list itself is ``None`` when no row asked for logprobs)."""
+    def __call__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
+                 banned: Mapping[str, Sequence[int]] | None = None) -> tuple[list[int], list[Any] | None]:
+        """logits: [B, vocab] float32. banned: per request id, token ids its row must not sample (their
+        logits become -inf). Returns the B token ids, and per row ``(logprob, {id: logprob})`` or ``None`` (the
+        list itself is ``None`` when no row asked for logprobs)."""
+        if banned:
+            for i, rid in enumerate(request_ids):
+                ids = banned.get(rid)
+                if ids:
+                    logits[i, list(ids)] = float("-inf")
         if all(p.temperature == 0 for p in params):
             tokens = logits.argmax(dim=-1)
         else:

@@ -18,6 +18,12 @@ class SamplingParams:
     ignore_eos: keep generating past EOS (up to ``max_tokens``); for benchmarks that force output lengths.
     seed: a per-request seed, so the request's samples do not depend on what it is batched with.
     logprobs: if set, return the sampled token's log-probability and this many top alternatives per token.
+    stop: strings that end generation when they appear in the output text, matched across token boundaries;
+        the text stops before the stop string (``finish_reason="stop"``) and never contains it unless
+        ``include_stop_str_in_output``.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    min_tokens: generate at least this many tokens: EOS and ``stop_token_ids`` cannot be sampled, and stop
+        strings are not matched, before that.
     """
 
     max_tokens: int = 16
@@ -28,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -48,6 +57,13 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r} must be an integer >= 0 or None")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop contains {s!r}; stop strings are non-empty strings")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
 
     @property
     def greedy(self) -> bool:

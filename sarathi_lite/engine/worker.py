@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -228,21 +228,22 @@ class WorkerGroup:
         return config.replace(num_kv_blocks=blocks).kv_pool(kv_bytes_per_token=None,
                                                              max_position_embeddings=max_position_embeddings)
 
-    def execute(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams]
-                ) -> StepResult:
-        """Send ``out`` to the workers, then run rank 0's share of the forward pass and sample."""
+    def execute(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
+                banned: Mapping[str, Sequence[int]]) -> StepResult:
+        """Send ``out`` to the workers, then run rank 0's share of the forward pass and sample (``banned``: as
+        ``ModelRunner.execute``'s)."""
         self.check_alive()
         self.busy = True
-        result = self._guard(self._step, runner, out, params)
+        result = self._guard(self._step, runner, out, params, banned)
         self.busy = False
         return result
 
-    def _step(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams]
-              ) -> StepResult:
+    def _step(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
+              banned: Mapping[str, Sequence[int]]) -> StepResult:
         t0 = time.perf_counter()
         dist.broadcast_object_list([out], src=0, group=self.control)
         self.broadcast_seconds += time.perf_counter() - t0
-        return runner.execute(out, params)
+        return runner.execute(out, params, banned=banned) if banned else runner.execute(out, params)
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(...)``, with a failure reported as the worker that caused it when one has exited."""

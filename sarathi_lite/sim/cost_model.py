@@ -9,7 +9,9 @@ the same two questions the real engine's clock answers:
 - ``start_time(ready)``: when the next iteration starts, given that the engine became ready at ``ready`` (the
   previous iteration's end, or the arrival that ended an idle spell): ``ready + step_gap``, the host's time
   between steps (recording metrics, building outputs, the replay loop's look at the clock);
-- ``reset(seed)``: called before each simulation, for models with state.
+- ``reset(seed)``: called before each simulation, for models with state;
+- ``predict_step_time(out)``: the typical step time, deterministic and stateless: what ``chunk_size="auto"``
+  asks about trial batches (profiled and roofline models; a replay has none).
 
 Models:
 
@@ -72,6 +74,11 @@ class CostModel:
 
     def predict(self, out: SchedulerOutput) -> StepTiming:
         raise NotImplementedError
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        """The typical ``step_time`` (seconds) of ``out``: deterministic, with no random draw and no state
+        change, so ``chunk_size="auto"`` can ask it about trial batches (``sarathi_lite.scheduler.budget``)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no deterministic step-time prediction")
 
     def start_time(self, ready: float) -> float:
         """When the next iteration starts (seconds) if the engine is ready at ``ready``."""
@@ -182,6 +189,10 @@ class ProfiledCostModel(CostModel):
     def forward_time(self, terms: Sequence[Sequence[float]]) -> np.ndarray:
         """``typical_forward`` of each row of ``batch_terms`` values."""
         return np.array([self.typical_forward(row) for row in terms])
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        return self.schedule_constant + self.schedule_per_request * len(out.scheduled) + \
+            self.typical_forward(batch_terms(out))
 
     def predict(self, out: SchedulerOutput) -> StepTiming:
         sched = self.schedule_constant + self.schedule_per_request * len(out.scheduled)

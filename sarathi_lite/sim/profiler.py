@@ -55,10 +55,20 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
     tokens per request and ``max_decodes`` decodes, in a seeded random order: decode-only batches (twice each
     ``token_knots`` size up to ``max_decodes``, contexts drawn up to a small, medium or full cap), chunk-only
     batches (each knot from 16 to ``max_tokens``, as one chunk and as two; cached context 0 or drawn) and hybrids
-    (twice per knot: a random number of decodes plus one or two chunks filling it). quick: decode-only sizes and
-    hybrids once, chunks only as one (for a notebook or CI)."""
+    (twice per knot: a random number of decodes plus one or two chunks filling it).
+
+    quick (for a notebook or CI): fewer shapes, but the same corners, placed rather than drawn, since with about
+    as many shapes as fitted values a random draw that misses a corner leaves its term to extrapolation: decode-only
+    sizes once (contexts alternately small and full); each chunk size once at no cached context (not sampling,
+    as a prompt's first chunks) and, at the powers of two, once more after ``max_context`` cached tokens
+    (sampling; long-context chunks pin the attention term); hybrids once per knot, each with as many decodes as
+    fit (up to ``max_decodes``, at full context) beside one chunk after ``max_context`` cached tokens (many
+    decodes pin the decode terms)."""
     rng = np.random.default_rng(seed)
     caps = (max(max_context // 16, 1), max(max_context // 4, 1), max_context)
+    budgets = [b for b in token_knots(max_tokens) if b >= 16]
+    if quick:
+        return _quick_grid(budgets, max_context, max_decodes, caps, rng)
 
     def contexts(n: int) -> tuple[int, ...]:
         return tuple(int(c) for c in rng.integers(1, caps[rng.integers(3)] + 1, n))
@@ -67,16 +77,30 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
         computed = 0 if rng.random() < 0.4 else int(rng.integers(1, max_context + 1))
         return computed, new, bool(rng.random() < 0.5)
 
-    budgets = [b for b in token_knots(max_tokens) if b >= 16]
-    shapes = [BatchShape(contexts(n)) for n in token_knots(max_decodes) for _ in range(1 if quick else 2)]
+    shapes = [BatchShape(contexts(n)) for n in token_knots(max_decodes) for _ in range(2)]
     shapes += [BatchShape((), (chunk(b),)) for b in budgets]
-    if not quick:
-        shapes += [BatchShape((), (chunk(b // 2), chunk(b - b // 2))) for b in budgets]
-    for budget in budgets * (1 if quick else 2):
+    shapes += [BatchShape((), (chunk(b // 2), chunk(b - b // 2))) for b in budgets]
+    for budget in budgets * 2:
         n = int(rng.integers(1, min(max_decodes, budget - 1) + 1))
         rest = budget - n
         parts = (chunk(rest),) if rng.random() < 0.7 or rest < 2 else (chunk(rest // 2), chunk(rest - rest // 2))
         shapes.append(BatchShape(contexts(n), parts))
+    return [shapes[i] for i in rng.permutation(len(shapes))]
+
+
+def _quick_grid(budgets: Sequence[int], max_context: int, max_decodes: int, caps: Sequence[int],
+                rng: np.random.Generator) -> list[BatchShape]:
+    """``profile_grid(quick=True)``'s shapes, in a seeded random order."""
+    def contexts(n: int, cap: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in rng.integers(max(cap // 2, 1), cap + 1, n))
+
+    shapes = [BatchShape(contexts(n, caps[2] if i % 2 else caps[0]))
+              for i, n in enumerate(token_knots(max_decodes))]
+    shapes += [BatchShape((), ((0, b, False),)) for b in budgets]
+    shapes += [BatchShape((), ((max_context, b, True),)) for b in budgets if b & (b - 1) == 0]
+    for i, budget in enumerate(budgets):
+        n = min(max_decodes, budget // 2)
+        shapes.append(BatchShape(contexts(n, max_context), ((max_context, budget - n, bool(i % 2)),)))
     return [shapes[i] for i in rng.permutation(len(shapes))]
 
 
@@ -136,9 +160,9 @@ def calibrate(engine: LLMEngine, *, num_requests: int = 8, seed: int = 0) -> Cal
     execute = runner.execute
     calls: list[tuple[SchedulerOutput, float]] = []
 
-    def timed(out: SchedulerOutput, params: Any) -> Any:
+    def timed(out: SchedulerOutput, params: Any, **options: Any) -> Any:
         t0 = time.perf_counter()
-        result = execute(out, params)
+        result = execute(out, params, **options)
         calls.append((out, time.perf_counter() - t0))
         return result
 

@@ -226,11 +226,14 @@ class RooflineCostModel(CostModel):
         result["comm_time"] = self.comm_time(out)
         return result
 
-    def predict(self, out: SchedulerOutput) -> StepTiming:
+    def predict_step_time(self, out: SchedulerOutput) -> float:
         lin_flops, lin_bytes, attn_flops, attn_bytes = self.work(out)
         f, b = self._flops, self._bandwidth
-        return StepTiming(self.schedule_time, self.step_overhead + max(lin_flops / f, lin_bytes / b)
-                          + max(attn_flops / f, attn_bytes / b) + self.comm_time(out))
+        return self.step_overhead + max(lin_flops / f, lin_bytes / b) + max(attn_flops / f, attn_bytes / b) \
+            + self.comm_time(out)
+
+    def predict(self, out: SchedulerOutput) -> StepTiming:
+        return StepTiming(self.schedule_time, self.predict_step_time(out))
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "roofline", "model": self.name, "dtype": _DTYPE_NAMES[self.dtype_bytes],

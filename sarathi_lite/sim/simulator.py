@@ -34,7 +34,7 @@ from sarathi_lite.bench.results import BenchResult, config_label, configurations
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.engine.config import EngineConfig, default_option
 from sarathi_lite.metrics import MetricsRecorder
-from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, make_scheduler
+from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, StepTimePredictor, make_scheduler
 from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
 from sarathi_lite.sim.roofline import roofline
 
@@ -58,7 +58,7 @@ def load_cost_model(spec: str | Path) -> CostModel:
     return ProfiledCostModel.load(text)
 
 
-def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None, *,
+def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | str | None, *,
                      num_kv_blocks: int | None = None, max_model_len: int | None = None,
                      **options: Any) -> SchedulerConfig:
     """The ``SchedulerConfig`` the real engine would build for these options on the modelled deployment: the
@@ -71,6 +71,7 @@ def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None,
     ``block_size``, ...), at their defaults when not given. Raises ``ValueError`` as the engine would."""
     if chunk_size is not None:
         options["chunk_size"] = chunk_size
+    options.setdefault("cost_model", cost_model)  # chunk_size="auto": the cost model also picks the budgets
     config = EngineConfig(policy=policy, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
     pool = config.kv_pool(kv_bytes_per_token=cost_model.kv_bytes_per_token,
                           max_position_embeddings=cost_model.max_position_embeddings,
@@ -78,8 +79,9 @@ def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | None,
     return config.scheduler_config(pool.num_blocks, pool.max_model_len)
 
 
-def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *, chunk_size: int | None = None,
-             record_batches: bool = False, seed: int = 0) -> BenchResult:
+def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig, *,
+             chunk_size: int | str | None = None, record_batches: bool = False, seed: int = 0,
+             predictor: StepTimePredictor | None = None) -> BenchResult:
     """Serve ``workload`` under ``config`` on a simulated clock (seconds from 0) and return what it recorded.
 
     Every request produces exactly its ``output_len`` tokens (as the real replay forces them). With prefix
@@ -88,12 +90,15 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     recorded in the configuration (default: ``config.chunk_size`` for chunked policies, else ``None``).
     record_batches: keep every iteration's ``(request_id, num_new_tokens)`` rows, as the engine's option.
     seed: of the cost model's random draws, if it makes any (``cost_model.reset(seed)`` runs first).
+    predictor: with ``config.chunk_size == "auto"``, the step-time model that picks each budget (default:
+    ``cost_model`` itself). Each step's simulated time is fed back to it as the engine feeds its measured one, so
+    its correction stays 1 when it is the cost model without jitter.
     Raises ``ValueError`` if a request does not fit ``config.max_model_len``.
     """
     workload.check_fits(config.max_model_len)
     wall = time.perf_counter()
     cost_model.reset(seed)
-    scheduler = make_scheduler(config)
+    scheduler = make_scheduler(config, (predictor or cost_model) if config.auto_budget else None)
     metrics = MetricsRecorder(record_batches=record_batches)
     specs = workload.requests
     prompts = workload.prompt_token_ids(PROMPT_VOCAB) if config.enable_prefix_caching else None
@@ -121,6 +126,7 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
         finished = update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
         if out.scheduled:
             record(out, start, start + timing.schedule_time, ready, finished)
+            scheduler.observe(out, timing.step_time)
     description = cost_model.describe()
     config_record = run_config(config, chunk_size, model=description["model"], dtype=description["dtype"],
                                device=description["device"], attention_backend=description["attention_backend"])
@@ -143,7 +149,7 @@ def run(workload: Workload, cost_model: CostModel, *, policies: Sequence[str] = 
 
 
 def capacity(workload: Workload, cost_model: CostModel, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
-             chunk_size: int | None = None, qps_low: float, qps_high: float, num_probes: int = 8,
+             chunk_size: int | str | None = None, qps_low: float, qps_high: float, num_probes: int = 8,
              **config_options: Any) -> list[CapacityResult]:
     """Serving capacity of each policy (chunked ones at ``chunk_size``), as ``bench.capacity`` but simulated:
     ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe ``workload.at_qps(qps)``."""

@@ -1,0 +1,163 @@
+"""``chunk_size="auto"`` against every fixed chunk size: simulated serving capacity under a P99 TBT SLO.
+
+For each deployment (``--setups``: this CPU's SmolLM2-135M profile, the H100 roofline of Llama-3-8B) and each
+built-in trace (conversation, arxiv), with Poisson arrivals:
+
+1. capacity (Sarathi-Serve's definition: the highest rate with P99 TBT <= the SLO and median scheduling delay
+   <= 2 s; ``search_capacity`` with ``--probes`` simulations) of ``sarathi`` at every fixed chunk size from 32 to
+   2048 and at ``chunk_size="auto"`` (target ``tbt_slo``, the deployment's ``budget_safety``);
+2. at the best fixed chunk size's capacity (equal load): TTFT p50 of that chunk size and of ``auto``;
+3. at ``auto``'s capacity: the fraction of all TBT gaps above the SLO.
+
+Every configuration runs with the paper's first-come-first-served budget filling (``hol_protection=False``)
+and no prefix cache.
+
+The CPU profile has jitter (single steps spread to 1.25x of the typical one), which the simulator draws per
+step: ``auto`` fills every step to its target, so its safety factor must leave room for that spread (0.8); the
+roofline is deterministic (0.9, the default).
+
+    python benchmarks/auto_budget.py --out docs/auto_budget.json
+
+Prints a table and writes JSON (every capacity search, the ratios, the load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sarathi_lite.bench.capacity import SLO
+from sarathi_lite.bench.results import BenchResult, host
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.sim import simulator as sim
+
+FIXED = (32, 64, 128, 256, 512, 1024, 2048)
+PROFILE = Path(__file__).resolve().parents[1] / "docs" / "sim_profile_smollm2.json"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A deployment: its cost model, SLO (P99 TBT seconds), the workload scaling that fits it, the rate range
+    (requests/s) and ``auto``'s safety factor."""
+
+    name: str
+    cost_model: str
+    tbt_slo: float
+    num_requests: int
+    scale: float
+    max_prompt: int
+    max_output: int
+    qps_range: tuple[float, float]
+    budget_safety: float
+
+
+SETUPS = {
+    # README's CPU SLO: 3 x a 355 ms decode step of 32 requests; lengths scaled as the real CPU benchmarks
+    "smollm2-cpu": Setup("smollm2-cpu", str(PROFILE), 1.065, 300, 0.25, 1024, 128, (0.02, 3.0), 0.8),
+    "smollm2-cpu-strict": Setup("smollm2-cpu-strict", str(PROFILE), 0.5, 300, 0.25, 1024, 128, (0.02, 3.0), 0.8),
+    "h100-llama3-8b": Setup("h100-llama3-8b", "roofline:h100:llama3-8b", 0.1, 1000, 1.0, 7168, 1024,
+                            (0.2, 60.0), 0.9),
+    "h100-llama3-8b-strict": Setup("h100-llama3-8b-strict", "roofline:h100:llama3-8b", 0.025, 1000, 1.0, 7168,
+                                   1024, (0.2, 60.0), 0.9),
+    "h100-llama3-8b-15ms": Setup("h100-llama3-8b-15ms", "roofline:h100:llama3-8b", 0.015, 1000, 1.0, 7168,
+                                 1024, (0.2, 60.0), 0.9),
+}
+
+
+def workload(setup: Setup, trace: str) -> Workload:
+    start = 1000 if trace == "conversation" else 0  # the conversation trace's first rows are a warm-up
+    return Workload.from_trace(trace, num_requests=setup.num_requests, start=start, qps=1.0,
+                               prompt_scale=setup.scale, output_scale=setup.scale, max_prompt=setup.max_prompt,
+                               max_output=setup.max_output)
+
+
+def gaps_over(result: BenchResult, slo: float) -> float:
+    """Fraction of all TBT gaps (every request's) above ``slo`` seconds."""
+    gaps = np.concatenate([np.asarray(r.tbt) for r in result.stats.requests if r.tbt] or [np.zeros(0)])
+    return float((gaps > slo).mean()) if gaps.size else 0.0
+
+
+def run_setup(setup: Setup, trace: str, probes: int) -> dict[str, Any]:
+    cost = sim.load_cost_model(setup.cost_model)
+    wl = workload(setup, trace)
+    slo = SLO(setup.tbt_slo)
+    # The paper's budget filling (first come, first served) and no prefix cache, for every configuration alike:
+    # head-of-line protection lets short requests pass long ones, which moves the median scheduling delay the
+    # capacity is defined by, and its default long threshold follows the chunk size (see docs/auto_budget.md).
+    options = {"tbt_slo": setup.tbt_slo, "budget_safety": setup.budget_safety, "hol_protection": False,
+               "enable_prefix_caching": False}
+    lo, hi = setup.qps_range
+    t0 = time.perf_counter()
+    found = {}
+    for chunk in (*FIXED, "auto"):
+        [c] = sim.capacity(wl, cost, slo, policies=["sarathi"], chunk_size=chunk, qps_low=lo, qps_high=hi,
+                           num_probes=probes, **options)
+        found[chunk] = c
+        if chunk != "auto":  # keep only the runs used below (each holds every token time)
+            for p in c.probes:
+                p.result = None
+    best = max(FIXED, key=lambda k: found[k].capacity or 0.0)
+    best_cap, auto_cap = found[best].capacity, found["auto"].capacity
+    row: dict[str, Any] = {"setup": setup.name, "trace": trace, "slo_tbt_p99": setup.tbt_slo,
+                           "budget_safety": setup.budget_safety, "workload": wl.describe(),
+                           "capacity": {str(k): found[k].capacity for k in found}, "best_fixed": best,
+                           "ratio": auto_cap / best_cap if auto_cap and best_cap else None}
+    if best_cap:
+        config = {k: sim.scheduler_config(cost, "sarathi", k, **options) for k in (best, "auto")}
+        at = {k: sim.simulate(wl.at_qps(best_cap), cost, config[k], chunk_size=k).summary() for k in config}
+        row["equal_load"] = {"qps": best_cap, **{f"ttft_p50_{k}": at[k]["ttft_p50"] for k in at},
+                             **{f"tbt_p99_{k}": at[k]["tbt_p99"] for k in at}}
+    if auto_cap:
+        passed = max((p for p in found["auto"].probes if p.passed), key=lambda p: p.qps)
+        row["auto_gaps_over_slo"] = gaps_over(passed.result, setup.tbt_slo)
+    row["searches"] = [found[k].to_dict() for k in found]
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'setup':<15} {'trace':<13} {'SLO ms':>6} " + " ".join(f"{k:>6}" for k in FIXED) +
+            f" {'auto':>6} {'best':>5} {'ratio':>6} {'TTFT p50 best/auto s':>21} {'gaps>SLO':>8}")
+    lines = [head, "capacity, requests/s" + " " * (len(head) - 20)]
+    for r in rows:
+        cap = r["capacity"]
+        cells = " ".join(f"{cap[str(k)]:>6.2f}" if cap[str(k)] else f"{'<':>6}" for k in FIXED)
+        auto = f"{cap['auto']:>6.2f}" if cap["auto"] else f"{'<':>6}"
+        eq = r.get("equal_load")
+        ttft = f"{eq['ttft_p50_' + str(r['best_fixed'])]:.2f} / {eq['ttft_p50_auto']:.2f}" if eq else "-"
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        gaps = f"{100 * r['auto_gaps_over_slo']:.2f}%" if "auto_gaps_over_slo" in r else "-"
+        lines.append(f"{r['setup']:<15} {r['trace']:<13} {1000 * r['slo_tbt_p99']:>6.0f} {cells} {auto} "
+                     f"{r['best_fixed']:>5} {ratio:>6} {ttft:>21} {gaps:>8}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
+    ap.add_argument("--traces", default="conversation,arxiv")
+    ap.add_argument("--probes", type=int, default=10, help="simulations per capacity search")
+    ap.add_argument("--out", type=Path, default=Path("results/auto_budget.json"))
+    args = ap.parse_args()
+    load = os.getloadavg()
+    rows = [run_setup(SETUPS[s], t, args.probes) for s in args.setups.split(",") for t in args.traces.split(",")]
+    print(table(rows))
+    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": host(),
+              "load_average_start": list(load), "load_average_end": list(os.getloadavg()),
+              "command": "python benchmarks/auto_budget.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"load average {load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

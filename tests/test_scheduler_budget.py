@@ -1,0 +1,216 @@
+"""``chunk_size="auto"``: the SLO-aware token budget under a synthetic cost model with known linear costs, and its
+online correction."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from sarathi_lite.scheduler import (
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    TokenBudget,
+    make_scheduler,
+)
+from sarathi_lite.scheduler.budget import CORRECTION_RANGE
+
+TOKEN = 7
+
+
+@dataclass
+class LinearCost:
+    """step time = base + per_decode * decodes + per_context * (decodes' context tokens) + per_prefill * prefill
+    tokens (seconds)."""
+
+    base: float = 0.010
+    per_decode: float = 0.0004
+    per_context: float = 2e-6
+    per_prefill: float = 0.00011
+
+    def decode_part(self, out: SchedulerOutput) -> float:
+        ctx = sum(s.num_computed_tokens + 1 for s in out.scheduled if not s.is_prefill)
+        return self.base + self.per_decode * out.num_decode_tokens + self.per_context * ctx
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        return self.decode_part(out) + self.per_prefill * out.num_prefill_tokens
+
+
+def auto(cost: LinearCost, policy: str = "sarathi", **kwargs: object) -> Scheduler:
+    # Prefix caching off: the prompts here share their tokens, and cached ones are not prefill work to budget.
+    kwargs = {"tbt_slo": 0.05, "block_size": 16, "max_num_seqs": 64, "num_blocks": 4096, "watermark": 0.0,
+              "max_model_len": 2048, "enable_prefix_caching": False, **kwargs}
+    return make_scheduler(SchedulerConfig(policy=policy, chunk_size="auto", **kwargs), cost)
+
+
+def step(sched: Scheduler, measured: float | None = None) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update(out, {s.request_id: TOKEN for s in out.scheduled if s.sample})
+    if measured is not None:
+        sched.observe(out, measured)
+    return out
+
+
+def prefill_waiting(sched: Scheduler) -> int:
+    """Prefill tokens the scheduler could run now: prompts mid-prefill, and waiting ones with a free slot."""
+    mid = sum(r.num_prefill_tokens - r.num_computed_tokens for r in sched.running if r.is_prefill)
+    slots = sched.config.max_running - len(sched.running)
+    return mid + sum(r.num_prefill_tokens for r in list(sched.waiting)[:slots])
+
+
+def random_workload(sched: Scheduler, rng: random.Random, n: int) -> list[tuple[int, Request]]:
+    """``n`` requests with random prompt and output lengths, each tagged with the step it arrives at."""
+    arrivals = []
+    for i in range(n):
+        prompt = rng.choice([rng.randint(1, 60), rng.randint(100, 1500)])
+        arrivals.append((rng.randint(0, 400), Request(f"r{i}", [5] * prompt, rng.randint(1, 120))))
+    return sorted(arrivals, key=lambda a: a[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_step_fits_the_slo_with_the_largest_block_aligned_prefill_and_no_decode_skipped(seed: int) -> None:
+    rng = random.Random(seed)
+    cost = LinearCost(per_prefill=rng.uniform(5e-5, 2e-4), per_decode=rng.uniform(1e-4, 6e-4))
+    sched = auto(cost, tbt_slo=rng.choice([0.04, 0.08, 0.2]), budget_safety=rng.choice([0.8, 0.9, 1.0]),
+                 min_chunk_size=rng.choice([16, 32, 64]))
+    cfg, bs = sched.config, sched.config.block_size
+    target = cfg.tbt_slo * cfg.budget_safety
+    min_chunk = math.ceil(cfg.min_chunk_size / bs) * bs
+    arrivals = random_workload(sched, rng, 40)
+    it = 0
+    fitted = 0
+    while arrivals or sched.has_unfinished():
+        while arrivals and arrivals[0][0] <= it:
+            sched.add(arrivals.pop(0)[1])
+        decoding = {r.request_id for r in sched.running if not r.is_prefill}
+        available = prefill_waiting(sched)
+        out = step(sched)
+        it += 1
+        assert it < 5000
+        assert decoding <= {s.request_id for s in out.scheduled if not s.is_prefill}  # stall-free
+        # The largest block multiple whose prefill fits next to these decodes, at least the minimum chunk.
+        room = target - cost.decode_part(out)
+        ceiling = min(cfg.max_num_batched_tokens - out.num_decode_tokens, available + bs - 1) // bs * bs
+        fits = [k for k in range(bs, ceiling + 1, bs) if cost.per_prefill * min(k, available) <= room]
+        expected = max([min_chunk, *fits])
+        assert out.num_prefill_tokens == min(expected, available)
+        if available:
+            assert out.num_prefill_tokens >= min(min_chunk, available)  # prefill never starves
+        if expected > min_chunk:
+            assert cost.predict_step_time(out) <= target
+            fitted += 1
+    assert fitted > 20
+
+
+def test_prefill_advances_by_the_minimum_chunk_when_decodes_alone_exceed_the_slo() -> None:
+    cost = LinearCost(per_decode=0.01)  # 8 decodes alone: 0.09 s > the 0.05 s SLO
+    sched = auto(cost, min_chunk_size=40)  # rounded up to 48 tokens
+    for i in range(8):
+        sched.add(Request(f"d{i}", [5] * 4, 200))
+    step(sched)
+    sched.add(Request("long", [5] * 500, 4))
+    progress = []
+    while sched.requests["long"].is_prefill:
+        before = sched.requests["long"].num_computed_tokens
+        out = step(sched)
+        assert out.num_decodes == 8
+        progress.append(sched.requests["long"].num_computed_tokens - before)
+    assert progress == [48] * 10 + [20]
+
+
+def test_simple_chunking_prefill_iterations_fill_the_slo() -> None:
+    cost = LinearCost()
+    sched = auto(cost, policy="simple_chunking", tbt_slo=0.1, budget_safety=1.0)
+    sched.add(Request("a", [5] * 2000, 2))
+    out = step(sched)
+    # (0.1 - 0.01) / 0.00011 = 818 tokens -> 51 blocks of 16
+    assert out.num_prefill_tokens == 816 and cost.predict_step_time(out) <= 0.1
+
+
+def test_correction_converges_to_a_constant_drift_without_oscillating() -> None:
+    budget = TokenBudget(SchedulerConfig(chunk_size="auto", tbt_slo=0.1), LinearCost())
+    corrections = []
+    for i in range(100):
+        predicted = 0.01 + 0.0003 * (i % 7)
+        budget.observe(predicted, 1.7 * predicted)
+        corrections.append(budget.correction)
+    assert all(a < b <= 1.7 for a, b in zip(corrections, corrections[1:]))
+    assert corrections[-1] == pytest.approx(1.7, rel=1e-3)
+    for _ in range(200):  # the machine speeds up: back down, monotonically
+        budget.observe(0.02, 0.5 * 0.02)
+        corrections.append(budget.correction)
+    assert all(a > b >= 0.5 for a, b in zip(corrections[100:], corrections[101:]))
+    assert corrections[-1] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_correction_is_clamped_and_rejects_bad_times() -> None:
+    budget = TokenBudget(SchedulerConfig(chunk_size="auto", tbt_slo=0.1), LinearCost())
+    for _ in range(500):
+        budget.observe(0.01, 100.0)
+    assert budget.correction == pytest.approx(CORRECTION_RANGE[1])
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="measured="):
+            budget.observe(0.01, bad)
+        with pytest.raises(ValueError, match="predicted="):
+            budget.observe(bad, 0.01)
+
+
+def test_corrected_budget_holds_the_slo_on_a_machine_slower_than_its_model() -> None:
+    cost = LinearCost()
+    sched = auto(cost, tbt_slo=0.08, budget_safety=1.0, max_num_seqs=32)
+    for i in range(16):
+        sched.add(Request(f"d{i}", [5] * 8, 400))
+    for i in range(40):
+        sched.add(Request(f"p{i}", [5] * 600, 2))
+    measured = []
+    for _ in range(120):
+        out = sched.schedule()
+        true_time = 1.3 * cost.predict_step_time(out)
+        sched.update(out, {s.request_id: TOKEN for s in out.scheduled if s.sample})
+        sched.observe(out, true_time)
+        measured.append(true_time)
+    assert max(measured[:5]) > 0.08  # uncorrected, the model's budget overruns the real step
+    assert max(measured[60:]) <= 0.08 * 1.001
+    assert sched.budget.correction == pytest.approx(1.3, rel=0.01)
+
+
+def test_auto_budget_inputs_are_validated() -> None:
+    with pytest.raises(ValueError, match="tbt_slo=None"):
+        SchedulerConfig(chunk_size="auto")
+    with pytest.raises(ValueError, match="tbt_slo=-1"):
+        SchedulerConfig(chunk_size="auto", tbt_slo=-1)
+    with pytest.raises(ValueError, match="needs a chunked policy"):
+        SchedulerConfig(policy="vllm", chunk_size="auto", tbt_slo=0.2)
+    with pytest.raises(ValueError, match="budget_safety=1.5"):
+        SchedulerConfig(chunk_size="auto", tbt_slo=0.2, budget_safety=1.5)
+    with pytest.raises(ValueError, match="chunk_size='big'"):
+        SchedulerConfig(chunk_size="big")
+    with pytest.raises(ValueError, match="min_chunk_size=0"):
+        SchedulerConfig(chunk_size="auto", tbt_slo=0.2, min_chunk_size=0)
+    with pytest.raises(ValueError, match="needs a step-time predictor"):
+        make_scheduler(SchedulerConfig(chunk_size="auto", tbt_slo=0.2))
+    with pytest.raises(ValueError, match="predict_step_time"):
+        make_scheduler(SchedulerConfig(chunk_size="auto", tbt_slo=0.2), object())
+
+
+def test_auto_budget_with_head_of_line_protection_keeps_decodes_and_the_slo_beside_a_long_prompt() -> None:
+    cost = LinearCost()
+    sched = auto(cost, tbt_slo=0.1, max_model_len=8192, max_num_batched_tokens=2048)
+    assert sched.config.protects_short_prompts and sched.config.long_threshold == 2048
+    sched.add(Request("long", [5] * 6000, 4))
+    for i in range(12):
+        sched.add(Request(f"s{i}", [6 + i] * 200, 30))
+    target = sched.config.tbt_slo * sched.config.budget_safety
+    steps = 0
+    while sched.has_unfinished():
+        decoding = {r.request_id for r in sched.running if not r.is_prefill}
+        out = step(sched)
+        steps += 1
+        assert steps < 2000
+        assert decoding <= {s.request_id for s in out.scheduled if not s.is_prefill}
+        assert cost.predict_step_time(out) <= target or out.num_prefill_tokens <= 32
+    assert "long" not in sched.requests
