@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
     print(f"workload: {workload.describe()} (arrivals: closed loop)", flush=True)
     off = LLMEngine(args.model, chunk_size=args.chunk_size, enable_prefix_caching=False)
-    on = LLMEngine(args.model, chunk_size=args.chunk_size, enable_prefix_caching=True, share_model_with=off)
+    on = LLMEngine.from_model(off, chunk_size=args.chunk_size, enable_prefix_caching=True)
     rows = {}
     for label, engine in (("off", off), ("on", on)):
         warm_up(engine)

@@ -128,7 +128,8 @@ def add_sim_parsers(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--cost-model", required=True,
                    help="profile JSON (sarathi-lite profile) or roofline:HW[:MODEL], HW one of a100-80gb, h100, "
-                        "h200; MODEL a preset (llama3-8b, mistral-7b, smollm2-135m) or a config.json / folder")
+                        "h200, or NxHW for tensor parallelism over N (e.g. 4xh100); MODEL a preset (llama3-8b, "
+                        "llama3.1-8b, llama3-70b, mistral-7b, smollm2-135m) or a config.json / folder")
     add_workload_args(s)
     add_sweep_args(s)
     s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")

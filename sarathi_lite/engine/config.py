@@ -108,6 +108,10 @@ class EngineConfig:
     stats_window: int | None = field(default=None, metadata={
         "help": "keep the records of only the last this many finished requests and iterations (bounded memory "
                 "for a long-running server; stats() then covers that window; default: keep every record)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the engine spawns "
+                "ranks 1.. as worker processes (or torchrun launched them); each holds 1/N of the weights and KV "
+                "heads, on cuda:<rank> on CUDA"})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -121,7 +125,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +14,12 @@ from typing import Any
 
 import torch
 
-from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, device_kv_budget
+from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.detokenizer import IncrementalDetokenizer
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult, runner_view
+from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
 from sarathi_lite.metrics import MetricsRecorder, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
@@ -64,6 +66,9 @@ class LLMEngine:
     policy), or ``LLMEngine(config=EngineConfig(...))``; see ``EngineConfig`` for each option and its default.
     clock: the time source for metrics (seconds). ``LLMEngine.from_model(engine, ...)``: another engine on the
     same loaded weights.
+    With ``tensor_parallel_size`` N > 1 the engine starts N - 1 worker processes (``sarathi_lite.engine.worker``);
+    ``shutdown()`` (or dropping the engine) stops them. Scripts that spawn workers need the usual
+    ``if __name__ == "__main__":`` guard of Python's spawn start method.
     """
 
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
@@ -73,8 +78,22 @@ class LLMEngine:
         path = resolve_model(config.model)
         device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, device)
-        model = load_model(path, dtype, device, config.load_format)
-        self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0)
+        self.workers: WorkerGroup | None = None
+        self._finalizer: Callable[[], Any] | None = None
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            check_parallel_config(ModelConfig.from_pretrained(path), tp_size, device)
+            setup = RankSetup.of(config, str(path), dtype, device)
+            device = setup.device(0)
+            self.workers = WorkerGroup.start(tp_size, setup)
+            self._finalizer = weakref.finalize(self, self.workers.shutdown)
+        try:
+            tp = None if self.workers is None else self.workers.tp
+            model = load_model(path, dtype, device, config.load_format, tp)
+            self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0)
+        except BaseException:
+            self.shutdown()
+            raise
 
     @classmethod
     def from_model(cls, source: LLMEngine, *, config: EngineConfig | None = None,
@@ -82,9 +101,12 @@ class LLMEngine:
         """A new engine on ``source``'s loaded weights and tokenizer (not loaded again), with its own scheduler,
         KV cache and records: e.g. to sweep scheduler settings over one model. config, options: as for
         ``LLMEngine``; ``model``, ``dtype`` and ``device`` default to ``source``'s, and raise ``ValueError`` if
-        they name others. Do not step engines that share weights from two threads at once."""
+        they name others. Not with tensor parallelism. Do not step engines that share weights from two threads
+        at once."""
         model = options.pop("model", None)
         config = _engine_config(model, config, options)
+        if source.workers is not None or config.tensor_parallel_size > 1:
+            raise ValueError("from_model: engines with tensor_parallel_size > 1 cannot share loaded weights")
         t0 = time.perf_counter()
         path = source.model_path if config.model is None else resolve_model(config.model)
         device = source.device if config.device is None else _resolve_device(config.device)
@@ -94,6 +116,7 @@ class LLMEngine:
                              f"{source.device}), not {path.name} ({dtype}, {device})")
         config = config.replace(model=str(path), dtype=str(dtype).removeprefix("torch."), device=str(device))
         engine = cls.__new__(cls)
+        engine.workers, engine._finalizer = None, None
         engine._start(config, path, device, dtype, source.model, runner_view(source.model), source.tokenizer,
                       clock, t0)
         return engine
@@ -106,13 +129,11 @@ class LLMEngine:
         self.config = config
         self.model_path, self.device, self.dtype = path, device, dtype
         self.model, self.tokenizer = model, tokenizer
+        self.clock = clock
         self.model_config: ModelConfig = self.model.config
-        pool = config.kv_pool(kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype.itemsize),
-                              max_position_embeddings=self.model_config.max_position_embeddings,
-                              kv_cache_memory=self._default_kv_budget())
-        if pool.kv_cache_memory is not None:
-            logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", pool.kv_cache_memory / 2**20,
-                        pool.num_blocks, pool.block_size)
+        pool = rank_kv_pool(config, self.model_config, self.model.tp.size, self.dtype, self.device)
+        if self.workers is not None:
+            pool = self.workers.agree_pool(config, pool, self.model_config.max_position_embeddings)
         max_model_len = pool.max_model_len
         self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
         self.scheduler = make_scheduler(self.scheduler_config, _predictor(config))
@@ -121,15 +142,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
-        self.clock = clock
         self.metrics = MetricsRecorder(record_batches=config.record_batches, window=config.stats_window)
         self._entries: dict[str, _Entry] = {}
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
-        logger.info("engine ready in %.1f s: %s on %s (%s), policy %s, chunk_size %s, max_model_len %d",
-                    time.perf_counter() - t0, self.model_path.name, self.device, str(self.dtype).split(".")[-1],
-                    config.policy, config.chunk_size, max_model_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -189,6 +206,8 @@ class LLMEngine:
         banned = {e.request.request_id: e.banned for e in sampling
                   if e.banned and len(e.request.output_token_ids) < e.params.min_tokens}
         params = {e.request.request_id: e.params for e in sampling}
+        if self.workers is not None:
+            return self.workers.execute(self.runner, out, params, banned)
         # banned only when a request needs it, so code that wraps execute(out, params) to time it keeps working
         return self.runner.execute(out, params, banned=banned) if banned else self.runner.execute(out, params)
 
@@ -243,6 +262,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ helpers
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent; also runs when the engine is
+        collected and at interpreter exit). The engine cannot step afterwards."""
+        if self._finalizer is not None:
+            self._finalizer()
+
     def stats(self) -> Stats:
         """Per-request and per-iteration records so far (``summary()``, ``to_pandas()``)."""
         return self.metrics.stats()
@@ -263,16 +288,6 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
         return None, token_ids
 
-    def _default_kv_budget(self) -> int | None:
-        """The KV pool's byte budget when the options give none: on CUDA what ``gpu_memory_utilization`` leaves
-        of the free memory, on CPU ``DEFAULT_CPU_KV_CACHE_BYTES`` (``None`` when the options size the pool)."""
-        config = self.config
-        if config.num_kv_blocks is not None or config.kv_cache_memory is not None:
-            return None
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return device_kv_budget(free, total, config.gpu_memory_utilization)
-        return DEFAULT_CPU_KV_CACHE_BYTES
 
 def _engine_config(model: str | Path | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
     if config is None:

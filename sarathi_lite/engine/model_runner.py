@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, KVPool, device_kv_budget
 from sarathi_lite.engine.sampler import Sampler
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
+from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.scheduler import SchedulerOutput
 
@@ -48,13 +50,38 @@ def runner_view(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return copy.deepcopy(model, memo)
 
 
+def rank_kv_pool(config: EngineConfig, model_config: ModelConfig, tensor_parallel_size: int, dtype: torch.dtype,
+                 device: torch.device) -> KVPool:
+    """The KV pool ``config`` gives on this rank's ``device`` (whose K/V per token are its own KV heads')."""
+    pool = config.kv_pool(kv_bytes_per_token=model_config.kv_bytes_per_token(dtype.itemsize, tensor_parallel_size),
+                          max_position_embeddings=model_config.max_position_embeddings,
+                          kv_cache_memory=default_kv_budget(config, device))
+    if pool.kv_cache_memory is not None:
+        logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", pool.kv_cache_memory / 2**20,
+                    pool.num_blocks, pool.block_size)
+    return pool
+
+
+def default_kv_budget(config: EngineConfig, device: torch.device) -> int | None:
+    """The KV pool's byte budget on ``device`` (this rank's) when the options give none: on CUDA what
+    ``gpu_memory_utilization`` leaves of the free memory, on CPU ``DEFAULT_CPU_KV_CACHE_BYTES`` (``None`` when the
+    options size the pool)."""
+    if config.num_kv_blocks is not None or config.kv_cache_memory is not None:
+        return None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return device_kv_budget(free, total, config.gpu_memory_utilization)
+    return DEFAULT_CPU_KV_CACHE_BYTES
+
+
 class ModelRunner:
     """Owns the paged KV cache and runs the model over one hybrid batch per ``execute`` call. It binds its KV
     cache and attention backends into ``model``'s attention layers once, here: a model that another runner
     uses must be given as a ``runner_view``.
 
     kv cache: one tensor ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``; layer ``i``'s
-    attention reads and writes its view ``[i]`` (FlashInfer's NHD paged layout).
+    attention reads and writes its view ``[i]`` (FlashInfer's NHD paged layout). ``num_kv_heads`` (and the
+    backends' query heads) are the model's on this rank: a tensor-parallel shard runs the same code on its heads.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, block_size: int, num_blocks: int, device: torch.device,
@@ -63,10 +90,10 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_cache = torch.zeros(cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.kv_cache = torch.zeros(cfg.num_layers, num_blocks, 2, block_size, model.num_kv_heads, cfg.head_dim,
                                     dtype=dtype, device=device)
         self.backends: dict[int, AttentionBackend] = {
-            w: get_attention_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            w: get_attention_backend(attention_backend, model.num_heads, model.num_kv_heads, cfg.head_dim,
                                      window_left=w, device=device, dtype=dtype)
             for w in sorted(set(cfg.layer_windows))
         }
@@ -83,11 +110,25 @@ class ModelRunner:
         """Forget a finished or aborted request's per-request state (its seeded sampling generator)."""
         self.sampler.forget(request_id)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams],
                 banned: Mapping[str, Sequence[int]] | None = None) -> StepResult:
         """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens.
         banned: token ids a request's row must not sample this step (``min_tokens``)."""
+        logits, rows, prepare_time, forward_time = self.forward(out)
+        if logits is None:
+            return StepResult({}, {}, prepare_time, forward_time)
+        t2 = time.perf_counter()
+        ids = [out.scheduled[i].request_id for i in rows]
+        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids], banned)
+        return StepResult(dict(zip(ids, tokens)),
+                          {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
+                          prepare_time, forward_time, time.perf_counter() - t2)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[int], float, float]:
+        """The forward pass of ``out``'s batch: ``(logits [len(rows), vocab] float32, rows, prepare seconds,
+        forward seconds)``, ``rows`` the indices into ``out.scheduled`` that sample. Logits are ``None`` when no
+        row samples, and on tensor-parallel ranks other than 0 (they take part in the same collectives)."""
         t0 = time.perf_counter()
         scheduled = out.scheduled
         q_lens = [s.num_new_tokens for s in scheduled]
@@ -102,12 +143,5 @@ class ModelRunner:
         last = torch.from_numpy(meta.qo_indptr_host[1:][rows].astype(np.int64) - 1).to(self.device)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, meta.positions)
-        if not rows:
-            return StepResult({}, {}, t1 - t0, time.perf_counter() - t1)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        t2 = time.perf_counter()
-        ids = [scheduled[i].request_id for i in rows]
-        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids], banned)
-        return StepResult(dict(zip(ids, tokens)),
-                          {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
-                          t1 - t0, t2 - t1, time.perf_counter() - t2)
+        logits = self.model.compute_logits(hidden.index_select(0, last)) if rows else None
+        return logits, rows, t1 - t0, time.perf_counter() - t1

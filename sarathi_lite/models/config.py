@@ -45,9 +45,15 @@ class ModelConfig:
         if not self.layer_windows:
             self.layer_windows = [-1] * self.num_layers
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token holds in the cache, over all layers, at ``dtype_bytes`` per element."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
+        """KV heads one of ``tensor_parallel_size`` ranks holds: its share, or one replicated head when there
+        are fewer KV heads than ranks."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V one token holds in the cache of one of ``tensor_parallel_size`` ranks, over all layers,
+        at ``dtype_bytes`` per element."""
+        return self.num_layers * 2 * self.kv_heads_per_rank(tensor_parallel_size) * self.head_dim * dtype_bytes
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -106,3 +112,17 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> lis
         ]
         return [window - 1 if t == "sliding_attention" else -1 for t in types]
     return [-1] * num_layers
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming the numbers when ``cfg`` cannot be split over ``size`` ranks."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer")
+    if cfg.num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={cfg.num_heads}")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv}: one must divide the other "
+                         f"(KV heads are split, or replicated when there are fewer than ranks)")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={cfg.intermediate_size}")

@@ -2,6 +2,8 @@
 
 The model never sees scheduling: each ``Attention`` layer holds a reference to the step's planned attention
 backend and its own KV cache (set by the model runner), so the forward only takes token ids and positions.
+Built with a ``TensorParallel`` of size N, every rank holds 1/N of the heads, of the MLP and of the vocabulary
+(``sarathi_lite.models.parallel``) and runs the same forward, with two all-reduces per layer.
 """
 
 from __future__ import annotations
@@ -10,7 +12,15 @@ import torch
 from torch import nn
 
 from sarathi_lite.kernels import AttentionBackend, RotaryEmbedding, fused_add_rms_norm, rms_norm, silu_and_mul
-from sarathi_lite.models.config import ModelConfig
+from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
+from sarathi_lite.models.parallel import (
+    AttentionShard,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 
 class RMSNorm(nn.Module):
@@ -40,15 +50,19 @@ class Attention(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's heads (``AttentionShard``): column-parallel QKV, row-parallel output projection."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        shard = AttentionShard.of(cfg, tp)
+        d = self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size, self.kv_size = shard.num_heads * d, shard.num_kv_heads * d
+        kv_part = (cfg.num_kv_heads * d, shard.kv_start * d, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [(cfg.num_heads * d, shard.q_start * d, self.q_size),
+                                                               kv_part, kv_part], bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(shard.q_start * d, self.q_size, cfg.hidden_size,
+                                        bias=cfg.attention_bias and cfg.model_type != "qwen2", tp=tp)
         self.rotary_emb: RotaryEmbedding | None = None  # shared by all layers, see LlamaForCausalLM.init_rotary
         self.attn = Attention()
 
@@ -63,20 +77,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's 1/N of the intermediate features: column-parallel gate/up, row-parallel down projection."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        size = cfg.intermediate_size // tp.size
+        part = (cfg.intermediate_size, tp.rank * size, size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(tp.rank * size, size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -92,10 +110,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -111,22 +129,29 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a flat batch.
 
     ``forward(input_ids [N] int64, positions [N] int64) -> hidden [N, hidden_size]``;
-    ``compute_logits(hidden [M, hidden_size]) -> [M, vocab_size]`` float32, called only on rows that sample.
+    ``compute_logits(hidden [M, hidden_size]) -> [M, vocab_size]`` float32, called only on rows that sample
+    (every rank calls it; ranks other than 0 get ``None``).
+    tp: this process's tensor-parallel rank and group (default: one rank, no sharding). ``num_heads`` and
+    ``num_kv_heads`` are this rank's head counts (the attention backends and the KV cache are sized by them).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp or TensorParallel.single()
+        check_tensor_parallel(cfg, self.tp.size)
+        shard = AttentionShard.of(cfg, self.tp)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.model = LlamaModel(cfg, self.tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
 
     def init_rotary(self, device: torch.device) -> None:
         """Build the rotary cos/sin cache on ``device`` once and share it across layers."""

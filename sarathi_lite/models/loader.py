@@ -6,12 +6,20 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.llama import LlamaForCausalLM
+from sarathi_lite.models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +42,9 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
-               ) -> LlamaForCausalLM:
-    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype``.
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype`` (with ``tp``: this rank's shard).
 
     load_format: ``"auto"`` reads the safetensors weights; ``"dummy"`` fills random weights (for benchmarks
     of model shapes whose weights are not at hand; only ``config.json`` is read).
@@ -44,7 +52,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -70,11 +78,11 @@ def _init_dummy(model: LlamaForCausalLM) -> None:
 
 @torch.no_grad()
 def _load_safetensors(model: LlamaForCausalLM, cfg: ModelConfig, files: list[Path]) -> None:
+    """Copy each checkpoint tensor's share for this rank into the model, reading only that share from disk
+    (``safe_open(...).get_slice``): a rank of N never holds a full copy of a sharded weight."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv_offsets = [(0, q), (q, kv), (q + kv, kv)]
-    gate_up_offsets = [(0, cfg.intermediate_size), (cfg.intermediate_size, cfg.intermediate_size)]
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
@@ -82,17 +90,20 @@ def _load_safetensors(model: LlamaForCausalLM, cfg: ModelConfig, files: list[Pat
                     continue
                 if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                tensor = f.get_tensor(hf_name)
+                name, part = hf_name, None
                 m = _LAYER_RE.match(hf_name)
                 if m and m.group(3) in _FUSED:
-                    fused, shard = _FUSED[m.group(3)]
+                    fused, part = _FUSED[m.group(3)]
                     name = f"model.layers.{m.group(1)}.{m.group(2)}.{fused}.{m.group(4)}"
-                    start, size = (qkv_offsets if fused == "qkv_proj" else gate_up_offsets)[shard]
-                    _copy(params, name, tensor, start, size)
-                    loaded.add(f"{name}#{shard}")
-                else:
-                    _copy(params, hf_name, tensor)
-                    loaded.add(hf_name)
+                if name not in params:
+                    raise ValueError(f"checkpoint weight {hf_name!r} has no place in the model")
+                target, tensor = _shard(modules[name.rsplit(".", 1)[0]], params[name], name, part,
+                                        f.get_slice(hf_name))
+                if target.shape != tensor.shape:
+                    raise ValueError(f"checkpoint weight {hf_name!r} gives a shard of shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(target.shape)}")
+                target.copy_(tensor.to(target.dtype))
+                loaded.add(name if part is None else f"{name}#{part}")
     expected = set()
     for name in params:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -106,15 +117,19 @@ def _load_safetensors(model: LlamaForCausalLM, cfg: ModelConfig, files: list[Pat
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    logger.info("loaded %d tensors from %d safetensors file(s)", len(loaded), len(files))
+    logger.info("loaded %d tensors from %d safetensors file(s) (tensor-parallel rank %d of %d)", len(loaded),
+                len(files), model.tp.rank, model.tp.size)
 
 
-def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, start: int = 0,
-          size: int | None = None) -> None:
-    if name not in params:
-        raise ValueError(f"checkpoint weight {name!r} has no place in the model")
-    target = params[name] if size is None else params[name].narrow(0, start, size)
-    if target.shape != tensor.shape:
-        raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(target.shape)}")
-    target.copy_(tensor.to(target.dtype))
+def _shard(module: torch.nn.Module, param: torch.nn.Parameter, name: str, part: int | None, full: Any
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, tensor)``: the view of ``param`` that this rank's share of the checkpoint tensor ``full`` (a
+    safetensors slice) fills, and that share read from disk."""
+    if isinstance(module, ColumnParallelLinear):
+        offset, size, rows = module.shard(part, full)
+        return param.narrow(0, offset, size), rows
+    if isinstance(module, RowParallelLinear) and name.endswith(".weight"):
+        return param, module.shard(full)
+    if isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
+        return param.narrow(0, 0, module.stop - module.start), module.shard(full)
+    return param, full[:]

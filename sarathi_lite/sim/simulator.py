@@ -46,9 +46,9 @@ PROMPT_VOCAB = 32768
 
 def load_cost_model(spec: str | Path) -> CostModel:
     """A cost model from ``spec``: a profile JSON file (``sarathi-lite profile``), or ``roofline:HW[:MODEL]``
-    with a hardware preset (``a100-80gb``, ``h100``, ``h200``) and a model shape preset (``llama3-8b``, the
-    default; ``llama3.1-8b``, 128k context; ``mistral-7b``, ``smollm2-135m``) or a Hugging Face config.json /
-    checkpoint folder."""
+    with a hardware preset (``a100-80gb``, ``h100``, ``h200``; ``4xh100`` for tensor parallelism over 4 of them)
+    and a model shape preset (``llama3-8b``, the default; ``llama3.1-8b``, 128k context; ``llama3-70b``,
+    ``mistral-7b``, ``smollm2-135m``) or a Hugging Face config.json / checkpoint folder."""
     text = str(spec)
     if text.startswith(ROOFLINE_PREFIX):
         hw, _, model = text[len(ROOFLINE_PREFIX):].partition(":")

@@ -1,0 +1,180 @@
+"""Megatron-style tensor-parallel layers and the process-group state they reduce over.
+
+A ``TensorParallel`` names this process's rank among ``size`` ranks; ``TensorParallel.single()`` (size 1) makes
+every layer below an ordinary unsharded layer with no communication, so one model class serves both cases.
+
+- ``ColumnParallelLinear``: the output features are split across ranks (QKV, gate/up). A fused projection is
+  split per part, so each rank holds its own heads of q, k and v (or its slice of gate and up) back to back.
+- ``RowParallelLinear``: the input features are split (o_proj, down_proj); each rank's partial product is summed
+  by ONE all-reduce, and the bias is added once, after it.
+- ``VocabParallelEmbedding``: each rank holds a contiguous range of vocabulary rows; ids outside it embed to zero
+  and one all-reduce sums the ranks.
+- ``ParallelLMHead``: each rank scores its vocabulary range; rank 0 gathers the full logits (the only rank that
+  samples).
+
+Grouped-query attention: with ``num_kv_heads >= size`` each rank holds ``num_kv_heads / size`` KV heads; with
+fewer KV heads than ranks, each KV head is replicated on ``size / num_kv_heads`` ranks (its query heads are split
+among them). Anything else is refused by ``check_tensor_parallel`` (``models.config``) with the numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sarathi_lite.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: ``rank`` in ``0 .. size - 1``; ``group`` the
+    ``torch.distributed`` process group of the forward pass's collectives (``None``: the default group).
+    comm_seconds: host seconds spent in this rank's collectives so far, waiting for slower ranks included (on
+    CUDA only the launches: NCCL runs asynchronously)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    comm_seconds: float = 0.0
+
+    @classmethod
+    def single(cls) -> TensorParallel:
+        return cls()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks in place (a no-op on one rank)."""
+        if self.size > 1:
+            t0 = time.perf_counter()
+            dist.all_reduce(x, group=self.group)
+            self.comm_seconds += time.perf_counter() - t0
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: the ranks' ``x`` ([M, n] each) concatenated to [M, size * n]; other ranks: ``None``."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        self.comm_seconds += time.perf_counter() - t0
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionShard:
+    """The heads rank ``rank`` holds: query heads ``q_start .. q_start + num_heads``, KV heads
+    ``kv_start .. kv_start + num_kv_heads`` (of the full model's)."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: TensorParallel) -> AttentionShard:
+        num_heads = cfg.num_heads // tp.size
+        num_kv = cfg.kv_heads_per_rank(tp.size)
+        return cls(num_heads, num_kv, tp.rank * num_heads, tp.rank * cfg.num_kv_heads // tp.size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W.T + b`` with the output features split across ranks.
+
+    parts: ``(full_size, start, size)`` per fused part: this rank holds rows ``start .. start + size`` of a part
+    of ``full_size`` output features; the local weight is the parts' rows stacked, ``[sum(size), in_features]``.
+    forward: x [N, in_features] -> [N, sum(size)] (this rank's features; no communication).
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int, int]], bias: bool) -> None:
+        super().__init__()
+        self.parts = parts
+        out = sum(size for _, _, size in parts)
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+
+    def shard(self, part: int, full: Any) -> tuple[int, int, Any]:
+        """``(offset, size, rows)``: where part ``part``'s shard goes in this layer's parameters and the rows of
+        ``full`` (a tensor or a safetensors slice, output features first) that belong to it."""
+        offset = sum(size for _, _, size in self.parts[:part])
+        _, start, size = self.parts[part]
+        return offset, size, full[start:start + size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W.T + b`` with the input features split: this rank holds columns ``start .. start + size`` of
+    ``W`` ([out_features, size]) and sums its partial product with the other ranks' in one all-reduce.
+
+    forward: x [N, size] (this rank's features) -> [N, out_features] (the full output, on every rank).
+    """
+
+    def __init__(self, start: int, size: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.start, self.size, self.tp = start, size, tp
+        self.weight = nn.Parameter(torch.empty(out_features, size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def shard(self, full: Any) -> Any:
+        """This rank's columns of ``full`` ([out_features, in_features], tensor or safetensors slice)."""
+        return full[:, self.start:self.start + self.size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
+    """``(start, stop, rows)``: this rank's vocabulary ids ``start .. stop`` and its padded row count (the
+    same on every rank, ``ceil(vocab_size / size)``)."""
+    rows = -(-vocab_size // tp.size)
+    start = min(vocab_size, tp.rank * rows)
+    return start, min(vocab_size, start + rows), rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks. forward: ids [N] int64 -> [N, hidden]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.stop, rows = vocab_range(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def shard(self, full: Any) -> Any:
+        """This rank's rows of ``full`` ([vocab_size, hidden]); the padding rows beyond ``stop`` stay zero."""
+        return full[self.start:self.stop]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.stop - self.start)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(nn.Module):
+    """The output projection with the vocabulary split like ``VocabParallelEmbedding`` (whose weight it shares
+    when the embeddings are tied). forward: hidden [M, hidden] -> logits [M, vocab_size] float32 on rank 0,
+    ``None`` on the other ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.start, self.stop, rows = vocab_range(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def shard(self, full: Any) -> Any:
+        return full[self.start:self.stop]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather_last_dim(nn.functional.linear(hidden, self.weight).float())
+        return None if logits is None else logits[:, :self.vocab_size]
