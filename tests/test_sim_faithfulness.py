@@ -13,7 +13,9 @@ Against real replays (``sarathi_lite.bench.replay.run``) of a tiny model, every 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -51,6 +53,23 @@ class VirtualClock:
         self.now += max(seconds, 0.0)
 
 
+@contextlib.contextmanager
+def virtual_time(clock: VirtualClock) -> Iterator[None]:
+    """The model runner's measured wall time and the replay's sleeps advance ``clock``, nothing else does."""
+    execute = ModelRunner.execute
+
+    def timed(self, out, params):
+        t0 = time.perf_counter()
+        result = execute(self, out, params)
+        clock.now += time.perf_counter() - t0
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "execute", timed)
+        mp.setattr(bench.time, "sleep", clock.sleep)
+        yield
+
+
 def batches(result: BenchResult) -> list[tuple[tuple[str, int], ...]]:
     return [it.batch for it in result.stats.iterations]
 
@@ -82,17 +101,7 @@ def offline(tiny_checkpoints, one_thread):
 @pytest.fixture(scope="module")
 def online(tiny_checkpoints, one_thread):
     clock = VirtualClock()
-    execute = ModelRunner.execute
-
-    def timed(self, out, params):
-        t0 = time.perf_counter()
-        result = execute(self, out, params)
-        clock.now += time.perf_counter() - t0
-        return result
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ModelRunner, "execute", timed)
-        mp.setattr(bench.time, "sleep", clock.sleep)
+    with virtual_time(clock):
         return bench.run(ONLINE, configs=CONFIGS, model=tiny_checkpoints["llama"], progress=False,
                          record_batches=True, clock=clock, block_size=4, num_kv_blocks=512, device="cpu")
 
@@ -158,17 +167,7 @@ def test_online_auto_budget_schedules_the_real_batches_when_replaying_measured_s
     """``chunk_size="auto"``: the engine corrects the predictor with every measured step; the simulator, fed the
     same step times, makes the same corrections and so the same budgets."""
     clock = VirtualClock()
-    execute = ModelRunner.execute
-
-    def timed(self, out, params):
-        t0 = time.perf_counter()
-        result = execute(self, out, params)
-        clock.now += time.perf_counter() - t0
-        return result
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ModelRunner, "execute", timed)
-        mp.setattr(bench.time, "sleep", clock.sleep)
+    with virtual_time(clock):
         engine = LLMEngine(tiny_checkpoints["llama"], scheduler=policy, chunk_size="auto", tbt_slo=0.006,
                            budget_safety=1.0, min_chunk_size=4, cost_model=AUTO_PREDICTOR, clock=clock,
                            record_batches=True, block_size=4, num_kv_blocks=512, device="cpu")
