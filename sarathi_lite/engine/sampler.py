@@ -19,6 +19,7 @@ class Sampler:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
                  banned: Mapping[str, Sequence[int]] | None = None) -> tuple[list[int], list[Any] | None]:
         """logits: [B, vocab] float32. banned: per request id, token ids its row must not sample (their
