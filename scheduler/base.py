@@ -287,6 +287,15 @@ class Scheduler:
             bisect.insort(running, req, key=_SEQ)
         return self._schedule_prefill_chunk(req, budget, out)
 
+    def _admission_blocks(self, req: Request) -> tuple[list[int], int, bool]:
+        """What admitting ``req`` takes from the pool: the cached prefix blocks it starts from (``[]`` without
+        prefix caching), the new blocks its whole prefill needs beyond them, and whether the pool can give both
+        now (keeping the watermark free while others run)."""
+        bm = self.block_manager
+        prefix = bm.match_prefix(req)
+        need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
+        return prefix, need, bm.can_allocate(need, self.config.watermark_blocks if self.running else 0, prefix)
+
     def _admit(self, budget: int, out: SchedulerOutput, num_partial: int = 0, num_long: int = 0) -> int:
         """Admit waiting requests in arrival order while the budget, ``max_num_seqs``, the partial-prefill
         limits and the block pool allow, and schedule their first chunk (their whole prompt for unchunked
@@ -306,12 +315,10 @@ class Scheduler:
             if is_long and num_long >= cfg.max_long_partial_prefills:
                 held_back.append(waiting.popleft())
                 continue
-            prefix = bm.match_prefix(req)  # prefix caching: cached blocks it starts from ([] without)
-            n = req.num_prefill_tokens - len(prefix) * bm.block_size
-            if not self.chunked and n > budget - used:
+            prefix, need, fits = self._admission_blocks(req)
+            if not self.chunked and req.num_prefill_tokens - len(prefix) * bm.block_size > budget - used:
                 break
-            need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
-            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0, prefix):
+            if not fits:
                 break
             waiting.popleft()
             used += self._start(req, prefix, need, budget - used, out)
@@ -395,11 +402,10 @@ class Scheduler:
             if used >= budget or slots <= 0:
                 left = True
                 break
-            prefix = bm.match_prefix(req)  # prefix caching: cached blocks it starts from ([] without)
+            prefix, need, fits = self._admission_blocks(req)
             if whole and req.num_prefill_tokens - len(prefix) * bm.block_size > budget - used:
                 continue
-            need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
-            if not bm.can_allocate(need, cfg.watermark_blocks if self.running else 0, prefix):
+            if not fits:
                 if whole:
                     continue
                 left = True
