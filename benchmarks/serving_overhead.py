@@ -4,15 +4,19 @@
    (``bench.replay.replay`` on an ``LLMEngine``) and over HTTP (``bench.http_client.replay_http`` against a
    ``sarathi-lite serve`` subprocess with the same engine options), alternating, ``--rounds`` times each.
    TTFT and TBT of the HTTP runs are measured at the client, so they include request parsing, the engine
-   thread hand-off, SSE encoding, loopback and the client's parsing. Wall-clock latencies on a shared machine
-   move with its load, so each run also reports the engine's mean step time and the CPU seconds per output
-   token (server + client process for HTTP, the one process in process), which the load does not inflate.
+   thread hand-off, SSE encoding, loopback and the client's parsing. Both engines run without a prefix cache:
+   every round replays the same prompts, and with it the later rounds' prefills would be cache hits (fewer,
+   and different in each engine, whose caches hold different histories), not the work being compared.
+   Wall-clock latencies on a shared machine move with its load, so each run also reports the engine's mean
+   step time and the CPU seconds per output token (server + client process for HTTP, the one process in
+   process), which the load does not inflate; the ratios are given as medians over rounds and as the median
+   of each round's ratio (its two runs are adjacent in time).
 2. Async engine overhead: offline throughput (output tokens/s over the wall time of the whole batch) of the
    same requests through ``LLM.generate`` and through ``AsyncLLMEngine.generate`` (all requests at once, one
    asyncio consumer each) on the same engine, alternating; also CPU seconds per output token.
 
     python benchmarks/serving_overhead.py                 # SmolLM2-135M, one torch thread
-    python benchmarks/serving_overhead.py --rounds 1 --num-requests 10
+    python benchmarks/serving_overhead.py --rounds 1 --num-requests 10   # a quick look
 
 Prints a table and writes JSON (default results/serving_overhead.json), with the load average around each run.
 """
@@ -28,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +63,8 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sarathi_lite", "serve", args.model, "--port", str(port), "--threads", "1",
-           "--chunk-size", str(args.chunk_size), "--device", "cpu", "--served-model-name", "bench"]
+           "--chunk-size", str(args.chunk_size), "--device", "cpu", "--served-model-name", "bench",
+           "--no-enable-prefix-caching"]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -75,12 +81,12 @@ def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.P
     raise TimeoutError("the server did not start in 300 s")
 
 
-def http_overhead(args: argparse.Namespace, llm: LLM, out_dir: Path) -> dict:
+def http_overhead(args: argparse.Namespace, llm: LLM) -> dict:
     engine = llm.engine
     workload = Workload.synthetic(args.lengths, num_requests=args.num_requests, qps=args.qps, seed=args.seed)
     vocab = engine.model_config.vocab_size
     port = free_port()
-    server = start_server(args, port, out_dir / "serve.log")
+    server = start_server(args, port, Path(tempfile.gettempdir()) / f"sarathi-lite-serve-{port}.log")
     url = f"http://127.0.0.1:{port}"
     runs: dict[str, list[dict]] = {"in-process": [], "http": []}
     try:
@@ -114,7 +120,8 @@ def http_overhead(args: argparse.Namespace, llm: LLM, out_dir: Path) -> dict:
     finally:
         server.terminate()
         server.wait(30)
-    return {"workload": workload.describe(), "runs": runs, "ratios": _ratios(runs["http"], runs["in-process"])}
+    return {"workload": workload.describe(), "runs": runs, "ratios": _ratios(runs["http"], runs["in-process"]),
+            "paired_ratios": _paired_ratios(runs["http"], runs["in-process"])}
 
 
 def _iteration_seconds(url: str) -> tuple[float, float]:
@@ -174,39 +181,47 @@ def _ratios(test: list[dict], base: list[dict]) -> dict[str, float]:
     return {k: statistics.median(x[k] for x in test) / statistics.median(x[k] for x in base) for k in KEYS}
 
 
+def _paired_ratios(test: list[dict], base: list[dict]) -> dict[str, float]:
+    """Median over rounds of each round's ratio test / base: the two runs of a round are adjacent in time, so
+    a slow spell of the machine that spans a round cancels in its ratio."""
+    return {k: statistics.median(t[k] / b[k] for t, b in zip(test, base)) for k in KEYS}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--lengths", default="uniform:64-256:16-48", help="synthetic lengths of the Poisson workload")
-    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--qps", type=float, default=1.0)
     p.add_argument("--offline-lengths", default="uniform:64-192:16-32")
     p.add_argument("--offline-requests", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2, help="alternating runs of each system")
+    p.add_argument("--rounds", type=int, default=4, help="alternating runs of each system")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/serving_overhead.json")
     args = p.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    llm = LLM(args.model, chunk_size=args.chunk_size, device="cpu")
+    llm = LLM(args.model, chunk_size=args.chunk_size, device="cpu", enable_prefix_caching=False)
     load_start = os.getloadavg()
     print(f"{machine()}; load average {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}")
     print("1. HTTP (bench --backend openai against sarathi-lite serve) vs in-process replay")
-    http = http_overhead(args, llm, out.parent)
+    http = http_overhead(args, llm)
     print("2. AsyncLLMEngine vs LLM.generate, offline")
     offline = async_overhead(args, llm)
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
               "model": args.model, "chunk_size": args.chunk_size, "load_average_start": list(load_start),
               "load_average_end": list(os.getloadavg()), "http_vs_in_process": http, "async_vs_generate": offline}
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'metric (median of rounds)':<34} {'in-process':>11} {'HTTP':>9} {'HTTP/in-process':>16}")
+    print(f"\n{'metric (median of rounds)':<34} {'in-process':>11} {'HTTP':>9} {'HTTP/in-process':>16} "
+          f"{'median of round ratios':>23}")
     for k in KEYS:
         base = statistics.median(x[k] for x in http["runs"]["in-process"])
         test = statistics.median(x[k] for x in http["runs"]["http"])
         scale, unit = (1, "") if k == "throughput_output_tokens_per_s" else (1000, " ms")
-        print(f"{k + unit:<34} {scale * base:>11.1f} {scale * test:>9.1f} {http['ratios'][k]:>16.3f}")
+        print(f"{k + unit:<34} {scale * base:>11.1f} {scale * test:>9.1f} {http['ratios'][k]:>16.3f} "
+              f"{http['paired_ratios'][k]:>23.3f}")
     print(f"{'offline out tok/s: AsyncLLMEngine / LLM.generate':<56} {offline['throughput_ratio']:>16.3f}")
     print(f"{'offline CPU per token: AsyncLLMEngine / LLM.generate':<56} {offline['cpu_per_token_ratio']:>16.3f}")
     print(f"load average at end {report['load_average_end'][0]:.2f}; wrote {out}")
