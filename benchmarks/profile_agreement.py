@@ -7,6 +7,15 @@ Both models are simulated without jitter (``jitter=()``), so the comparison is o
 two random draws.
 
     python benchmarks/profile_agreement.py --a quick.json --b full.json --out results/profile_agreement.json
+
+Two profiles taken one after the other also differ by how this machine's speed moved in between (on the shared
+VM, two full profiles 25 minutes apart disagreed by up to 85% on these metrics). ``--one-pass MODEL`` separates
+the grids from the machine: it times the quick and the full grid's batches in one interleaved pass (one random
+order over both grids, ``--repeats`` passes) with one calibration run, fits each grid's model from its own
+batches, saves both next to ``--out`` and compares quick (A) against full (B); a slow spell then hits both
+grids alike.
+
+    python benchmarks/profile_agreement.py --one-pass smollm2-135m --out results/profile_agreement.json
 """
 
 from __future__ import annotations
@@ -18,24 +27,75 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from sarathi_lite.bench.replay import build_engine, warm_up
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.sim import simulator as sim
 from sarathi_lite.sim.cost_model import ProfiledCostModel
+from sarathi_lite.sim.profiler import (
+    CALIBRATION_CHUNK_SIZE,
+    calibrate,
+    fit_grid,
+    grid_outputs,
+    profile_grid,
+    time_outputs,
+)
 
 METRICS = ("ttft_p50", "ttft_p90", "ttft_p99", "tbt_p50", "tbt_p90", "tbt_p99", "scheduling_delay_p50",
            "throughput_tokens_per_s", "step_time_p50")
 
 
+def one_pass(model: str, out_dir: Path, repeats: int, seed: int = 0) -> tuple[Path, Path]:
+    """Profile the quick and the full grid in one interleaved timing pass (see the module docstring); returns
+    the paths of the saved quick and full models."""
+    torch.set_num_threads(1)
+    load = os.getloadavg()
+    engine = build_engine(model, "sarathi", CALIBRATION_CHUNK_SIZE, None, device="cpu")
+    warm_up(engine)
+    grids = {"quick": profile_grid(quick=True, seed=seed), "full": profile_grid(seed=seed)}
+    outputs = {name: grid_outputs(engine, shapes, seed) for name, shapes in grids.items()}
+    batches = [(name, i) for name in grids for i in range(len(grids[name]))]
+    order = np.random.default_rng(seed).permutation(len(batches))
+    timed = time_outputs(engine, [outputs[batches[j][0]][batches[j][1]] for j in order], repeats=repeats)
+    runs: dict[str, list] = {name: [None] * len(shapes) for name, shapes in grids.items()}
+    for j, r in zip(order, timed):
+        name, i = batches[j]
+        runs[name][i] = r
+    calibration = calibrate(engine, seed=seed)
+    paths = []
+    for name, shapes in grids.items():
+        cost, quality = fit_grid(engine, shapes, outputs[name], runs[name], calibration, max_tokens=512)
+        cost.meta = {"model": engine.model_path.name, "machine": host(), "threads": 1, "one_pass": True,
+                     "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": list(load),
+                     "load_average_end": list(os.getloadavg()), "grid": {"quick": name == "quick",
+                                                                         "shapes": len(shapes), "repeats": repeats},
+                     "fit": quality}
+        paths.append(cost.save(out_dir / f"one_pass_{name}.json"))
+        print(f"{name}: {len(shapes)} shapes, fit on held-out hybrids: median error "
+              f"{100 * quality['held_out']['rel_err_p50']:.1f}%, on the calibration's engine steps "
+              f"{100 * quality['engine_steps']['rel_err_p50']:.1f}%", flush=True)
+    return paths[0], paths[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--a", required=True, help="profile JSON (e.g. the quick one)")
-    ap.add_argument("--b", required=True, help="profile JSON (e.g. the full one)")
+    ap.add_argument("--a", help="profile JSON (e.g. the quick one)")
+    ap.add_argument("--b", help="profile JSON (e.g. the full one)")
+    ap.add_argument("--one-pass", metavar="MODEL", help="instead: profile quick and full grids in one pass")
+    ap.add_argument("--repeats", type=int, default=3, help="with --one-pass: timed runs per batch")
     ap.add_argument("--chunk-sizes", default="64,128,256")
     ap.add_argument("--qps", type=float, default=0.2)
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--out", type=Path, default=Path("results/profile_agreement.json"))
     args = ap.parse_args()
+    if args.one_pass:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.a, args.b = map(str, one_pass(args.one_pass, args.out.parent, args.repeats))
+    elif not (args.a and args.b):
+        ap.error("give --a and --b, or --one-pass MODEL")
     models = {name: dataclasses.replace(ProfiledCostModel.load(path), jitter=())
               for name, path in (("a", args.a), ("b", args.b))}
     rows = []

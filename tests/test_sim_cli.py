@@ -114,3 +114,22 @@ def test_quick_profile_grid_covers_long_context_chunks_and_many_decode_hybrids()
                            for s in hybrids)
     assert max(len(s.decode_contexts) for s in hybrids) == 32 and all(s.chunks[0][0] == 512 for s in hybrids)
     assert max(max(s.decode_contexts) for s in grid if s.decode_contexts) > 256  # long decode contexts too
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_profile_grid_pins_every_cost_term(quick):
+    """The fit's design matrix over the grid (the token curve at its knots plus every term) has full column
+    rank: no term can trade exactly against another."""
+    import numpy as np
+
+    from sarathi_lite.sim.cost_model import batch_terms, token_basis
+    from sarathi_lite.sim.profiler import profile_grid, token_knots
+
+    rng = np.random.default_rng(0)
+    outs = [s.output(16, 4096, 1000, rng) for s in profile_grid(quick=quick)]
+    rows = [batch_terms(o) for o in outs]
+    knots = sorted(set(token_knots(512)) & {r[0] for r in rows})
+    a = np.array([token_basis(r[0], knots) + list(r[1:]) for r in rows], dtype=np.float64)
+    a /= np.linalg.norm(a, axis=0)
+    assert np.linalg.matrix_rank(a) == a.shape[1]
+

@@ -237,6 +237,29 @@ def fit_cost_model(terms: Sequence[Sequence[float]], runs: Sequence[Sequence[flo
     return dataclasses.replace(model, jitter=np.quantile(ratios, np.linspace(0, 1, JITTER_QUANTILES))), quality
 
 
+def grid_outputs(engine: LLMEngine, shapes: Sequence[BatchShape], seed: int = 0) -> list[SchedulerOutput]:
+    """The grid's batches as ``SchedulerOutput``s on ``engine``'s KV pool (random token ids, seeded)."""
+    cfg = engine.scheduler_config
+    rng = np.random.default_rng(seed)
+    return [s.output(cfg.block_size, cfg.num_blocks, engine.model_config.vocab_size, rng) for s in shapes]
+
+
+def fit_grid(engine: LLMEngine, shapes: Sequence[BatchShape], outputs: Sequence[SchedulerOutput],
+             runs: Sequence[Sequence[float]], calibration: Calibration, max_tokens: int
+             ) -> tuple[ProfiledCostModel, dict[str, Any]]:
+    """``fit_cost_model`` on one grid's timed batches (``runs``: seconds of each batch's repeats), with the
+    engine's KV pool and context length recorded in the model (the simulator sizes its pool from them)."""
+    terms = [batch_terms(o) for o in outputs]
+    knots = sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})  # the knots some batch measured exactly
+    cost, quality = fit_cost_model(terms, runs, holdout(shapes), knots, calibration)
+    cfg = engine.scheduler_config
+    per_token = engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
+    cost.kv_bytes_per_token = per_token
+    cost.kv_cache_memory = cfg.num_blocks * cfg.block_size * per_token
+    cost.max_position_embeddings = engine.model_config.max_position_embeddings
+    return cost, quality
+
+
 def profile(model: str | Path | None = None, *, quick: bool = False, repeats: int = 3, max_tokens: int = 512,
             max_context: int = 1024, max_decodes: int = 64, seed: int = 0, progress: bool = True,
             engine: LLMEngine | None = None, **engine_options: Any) -> ProfiledCostModel:
@@ -252,18 +275,11 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     warm_up(engine)
     shapes = profile_grid(max_tokens=max_tokens, max_context=max_context, max_decodes=max_decodes, quick=quick,
                           seed=seed)
-    cfg = engine.scheduler_config
-    rng = np.random.default_rng(seed)
-    outputs = [s.output(cfg.block_size, cfg.num_blocks, engine.model_config.vocab_size, rng) for s in shapes]
-    terms = [batch_terms(o) for o in outputs]
+    outputs = grid_outputs(engine, shapes, seed)
     runs = time_outputs(engine, outputs, repeats=repeats, progress=progress)
     calibration = calibrate(engine, seed=seed)
-    knots = sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})  # the knots some batch measured exactly
-    cost, quality = fit_cost_model(terms, runs, holdout(shapes), knots, calibration)
-    per_token = engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
-    cost.kv_bytes_per_token = per_token
-    cost.kv_cache_memory = cfg.num_blocks * cfg.block_size * per_token
-    cost.max_position_embeddings = engine.model_config.max_position_embeddings
+    cost, quality = fit_grid(engine, shapes, outputs, runs, calibration, max_tokens)
+    terms = [batch_terms(o) for o in outputs]
     cost.meta = {"model": engine.model_path.name, "dtype": str(engine.dtype).removeprefix("torch."),
                  "device": str(engine.device), "attention_backend": engine.runner.attention_backend,
                  "machine": machine(), "threads": torch.get_num_threads(),
