@@ -9,7 +9,8 @@
 # (CUDA 13.0, the device's), a C++ compiler, ninja and unzip. No GPU and no CUDA build of torch: the final link only needs the
 # toolkit's lib64 (libcudart) and a stub libcuda.so (an empty library with soname libcuda.so.1, made here; the
 # device's driver provides the real one). Modules are built one at a time, most needed first, at the lowest CPU
-# priority (the machine is shared); a module already in OUT_DIR is kept, so an interrupted build resumes. Each
+# priority (the machine is shared), each with MAX_JOBS parallel nvcc jobs (default 1; a module's kernels are up to
+# ten files); a module already in OUT_DIR is kept, so an interrupted build resumes. Each
 # module is loaded once built (tvm_ffi, as FlashInfer does; no GPU needed). Prints each module's build time and
 # size and the total.
 set -euo pipefail
@@ -39,7 +40,7 @@ for req in nvidia-cublas==13.1.1.3:cublasLt.h nvidia-curand==10.4.0.35:curand_ke
   fi
 done
 export CUDA_HOME
-export FLASHINFER_CUDA_ARCH_LIST="9.0a" FLASHINFER_WORKSPACE_BASE="$BUILD_DIR" MAX_JOBS=1 FLASHINFER_NVCC_THREADS=1
+export FLASHINFER_CUDA_ARCH_LIST="9.0a" FLASHINFER_WORKSPACE_BASE="$BUILD_DIR" MAX_JOBS=${MAX_JOBS:-1} FLASHINFER_NVCC_THREADS=1
 export FLASHINFER_EXTRA_LDFLAGS="-L$BUILD_DIR/stubs" FLASHINFER_EXTRA_CUDAFLAGS="-isystem $INC"
 export FLASHINFER_EXTRA_CFLAGS="-isystem $INC"
 export AOT_OUT_DIR="$OUT_DIR" PATH="$CUDA_HOME/bin:$PATH"
