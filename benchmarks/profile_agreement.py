@@ -34,7 +34,7 @@ from sarathi_lite.bench.replay import build_engine, warm_up
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.cost_model import ProfiledCostModel
+from sarathi_lite.sim.cost_model import ProfiledCostModel, batch_terms
 from sarathi_lite.sim.profiler import (
     CALIBRATION_CHUNK_SIZE,
     calibrate,
@@ -67,7 +67,8 @@ def one_pass(model: str, out_dir: Path, repeats: int, seed: int = 0) -> tuple[Pa
     calibration = calibrate(engine, seed=seed)
     paths = []
     for name, shapes in grids.items():
-        cost, quality = fit_grid(engine, shapes, outputs[name], runs[name], calibration, max_tokens=512)
+        terms = [batch_terms(o) for o in outputs[name]]
+        cost, quality = fit_grid(engine, shapes, terms, runs[name], calibration, max_tokens=512)
         cost.meta = {"model": engine.model_path.name, "machine": host(), "threads": 1, "one_pass": True,
                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": list(load),
                      "load_average_end": list(os.getloadavg()), "grid": {"quick": name == "quick",

@@ -122,14 +122,12 @@ def test_profile_grid_pins_every_cost_term(quick):
     rank: no term can trade exactly against another."""
     import numpy as np
 
-    from sarathi_lite.sim.cost_model import batch_terms, token_basis
-    from sarathi_lite.sim.profiler import profile_grid, token_knots
+    from sarathi_lite.sim.cost_model import batch_terms, design_matrix
+    from sarathi_lite.sim.profiler import grid_knots, profile_grid
 
     rng = np.random.default_rng(0)
-    outs = [s.output(16, 4096, 1000, rng) for s in profile_grid(quick=quick)]
-    rows = [batch_terms(o) for o in outs]
-    knots = sorted(set(token_knots(512)) & {r[0] for r in rows})
-    a = np.array([token_basis(r[0], knots) + list(r[1:]) for r in rows], dtype=np.float64)
+    rows = [batch_terms(s.output(16, 4096, 1000, rng)) for s in profile_grid(quick=quick)]
+    a = design_matrix(rows, grid_knots(rows, 512))
     a /= np.linalg.norm(a, axis=0)
     assert np.linalg.matrix_rank(a) == a.shape[1]
 

@@ -310,6 +310,15 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x
 
 
+def design_matrix(terms: Sequence[Sequence[float]], knots: Sequence[int]) -> np.ndarray:
+    """The linear model behind ``ProfiledCostModel``: one row per row of ``batch_terms`` values, its
+    ``token_basis`` weights over ``knots`` followed by its ``TERMS`` values, so ``design_matrix @ [token_times,
+    coefficients]`` is each batch's typical forward time."""
+    rows = np.asarray(terms, dtype=np.float64).reshape(-1, 1 + len(TERMS))
+    basis = np.array([token_basis(t, knots) for t in rows[:, 0]]).reshape(len(rows), len(knots))
+    return np.hstack([basis, rows[:, 1:]])
+
+
 def fit_profile(terms: Sequence[Sequence[float]], times: Sequence[float], knots: Sequence[int]
                 ) -> tuple[list[float], dict[str, float]]:
     """Fit ``ProfiledCostModel``'s token curve (seconds at ``knots``) and ``TERMS`` coefficients to measured
@@ -322,8 +331,7 @@ def fit_profile(terms: Sequence[Sequence[float]], times: Sequence[float], knots:
         raise ValueError(f"terms must be [{len(y)}, {1 + len(TERMS)}], got {rows.shape}")
     if (y <= 0).any():
         raise ValueError("measured times must be positive")
-    a = np.array([token_basis(t, knots) for t in rows[:, 0]]).reshape(len(y), len(knots))
-    a = np.hstack([a, rows[:, 1:]]) / y[:, None]
+    a = design_matrix(rows, knots) / y[:, None]
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
     x = nnls(a / scale, np.ones_like(y)) / scale

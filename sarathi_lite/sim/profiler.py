@@ -244,14 +244,19 @@ def grid_outputs(engine: LLMEngine, shapes: Sequence[BatchShape], seed: int = 0)
     return [s.output(cfg.block_size, cfg.num_blocks, engine.model_config.vocab_size, rng) for s in shapes]
 
 
-def fit_grid(engine: LLMEngine, shapes: Sequence[BatchShape], outputs: Sequence[SchedulerOutput],
+def grid_knots(terms: Sequence[Sequence[float]], max_tokens: int) -> list[int]:
+    """The ``token_knots`` up to ``max_tokens`` that some batch (a row of ``batch_terms`` values) measured
+    exactly: where the fitted token curve takes its values."""
+    return sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})
+
+
+def fit_grid(engine: LLMEngine, shapes: Sequence[BatchShape], terms: Sequence[Sequence[float]],
              runs: Sequence[Sequence[float]], calibration: Calibration, max_tokens: int
              ) -> tuple[ProfiledCostModel, dict[str, Any]]:
-    """``fit_cost_model`` on one grid's timed batches (``runs``: seconds of each batch's repeats), with the
-    engine's KV pool and context length recorded in the model (the simulator sizes its pool from them)."""
-    terms = [batch_terms(o) for o in outputs]
-    knots = sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})  # the knots some batch measured exactly
-    cost, quality = fit_cost_model(terms, runs, holdout(shapes), knots, calibration)
+    """``fit_cost_model`` on one grid's timed batches (``terms``: each batch's ``batch_terms``; ``runs``: seconds
+    of its repeats), with the engine's KV pool and context length recorded in the model (the simulator sizes
+    its pool from them)."""
+    cost, quality = fit_cost_model(terms, runs, holdout(shapes), grid_knots(terms, max_tokens), calibration)
     cfg = engine.scheduler_config
     per_token = engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
     cost.kv_bytes_per_token = per_token
@@ -276,10 +281,10 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     shapes = profile_grid(max_tokens=max_tokens, max_context=max_context, max_decodes=max_decodes, quick=quick,
                           seed=seed)
     outputs = grid_outputs(engine, shapes, seed)
+    terms = [batch_terms(o) for o in outputs]
     runs = time_outputs(engine, outputs, repeats=repeats, progress=progress)
     calibration = calibrate(engine, seed=seed)
-    cost, quality = fit_grid(engine, shapes, outputs, runs, calibration, max_tokens)
-    terms = [batch_terms(o) for o in outputs]
+    cost, quality = fit_grid(engine, shapes, terms, runs, calibration, max_tokens)
     cost.meta = {"model": engine.model_path.name, "dtype": str(engine.dtype).removeprefix("torch."),
                  "device": str(engine.device), "attention_backend": engine.runner.attention_backend,
                  "machine": machine(), "threads": torch.get_num_threads(),
