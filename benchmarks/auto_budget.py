@@ -18,6 +18,8 @@ roofline is deterministic (0.9, the default).
 
     python benchmarks/auto_budget.py --out docs/auto_budget.json
 
+Each search uses 12 probes by default; `--fixed` replaces the fixed chunk sizes compared (e.g. steps of one block).
+
 Prints a table and writes JSON (every capacity search, the ratios, the load average).
 """
 
@@ -61,8 +63,10 @@ class Setup:
 
 SETUPS = {
     # README's CPU SLO: 3 x a 355 ms decode step of 32 requests; lengths scaled as the real CPU benchmarks
-    "smollm2-cpu": Setup("smollm2-cpu", str(PROFILE), 1.065, 300, 0.25, 1024, 128, (0.02, 3.0), 0.8),
-    "smollm2-cpu-strict": Setup("smollm2-cpu-strict", str(PROFILE), 0.5, 300, 0.25, 1024, 128, (0.02, 3.0), 0.8),
+    "smollm2-cpu": Setup("smollm2-cpu", str(PROFILE), 1.065, 300, 0.25, 1024, 128, (0.01, 1.0), 0.8),
+    "smollm2-cpu-strict": Setup("smollm2-cpu-strict", str(PROFILE), 0.5, 300, 0.25, 1024, 128, (0.01, 1.0), 0.8),
+    # an SLO between the P99 steps of chunks 32 and 64 (sarathi/64 just misses it): found by an SLO sweep
+    "smollm2-cpu-350ms": Setup("smollm2-cpu-350ms", str(PROFILE), 0.35, 300, 0.25, 1024, 128, (0.01, 1.0), 0.8),
     "h100-llama3-8b": Setup("h100-llama3-8b", "roofline:h100:llama3-8b", 0.1, 1000, 1.0, 7168, 1024,
                             (0.2, 60.0), 0.9),
     "h100-llama3-8b-strict": Setup("h100-llama3-8b-strict", "roofline:h100:llama3-8b", 0.025, 1000, 1.0, 7168,
@@ -89,7 +93,7 @@ def gaps_over(result: BenchResult, slo: float) -> float:
     return float((gaps > slo).mean()) if gaps.size else 0.0
 
 
-def run_setup(setup: Setup, trace: str, probes: int) -> dict[str, Any]:
+def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FIXED) -> dict[str, Any]:
     cost = sim.load_cost_model(setup.cost_model)
     wl = workload(setup, trace)
     slo = SLO(setup.tbt_slo)
@@ -101,17 +105,17 @@ def run_setup(setup: Setup, trace: str, probes: int) -> dict[str, Any]:
     lo, hi = setup.qps_range
     t0 = time.perf_counter()
     found = {}
-    for chunk in (*FIXED, "auto"):
+    for chunk in (*fixed, "auto"):
         [c] = sim.capacity(wl, cost, slo, policies=["sarathi"], chunk_size=chunk, qps_low=lo, qps_high=hi,
                            num_probes=probes, **options)
         found[chunk] = c
         if chunk != "auto":  # keep only the runs used below (each holds every token time)
             for p in c.probes:
                 p.result = None
-    best = max(FIXED, key=lambda k: found[k].capacity or 0.0)
+    best = max(fixed, key=lambda k: found[k].capacity or 0.0)
     best_cap, auto_cap = found[best].capacity, found["auto"].capacity
     row: dict[str, Any] = {"setup": setup.name, "trace": trace, "slo_tbt_p99": setup.tbt_slo,
-                           "budget_safety": setup.budget_safety, "workload": wl.describe(),
+                           "budget_safety": setup.budget_safety, "workload": wl.describe(), "fixed": list(fixed),
                            "capacity": {str(k): found[k].capacity for k in found}, "best_fixed": best,
                            "ratio": auto_cap / best_cap if auto_cap and best_cap else None}
     if best_cap:
@@ -127,19 +131,19 @@ def run_setup(setup: Setup, trace: str, probes: int) -> dict[str, Any]:
     return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'setup':<15} {'trace':<13} {'SLO ms':>6} " + " ".join(f"{k:>6}" for k in FIXED) +
+def table(rows: list[dict[str, Any]], fixed: tuple[int, ...] = FIXED) -> str:
+    head = (f"{'setup':<18} {'trace':<13} {'SLO ms':>6} " + " ".join(f"{k:>6}" for k in fixed) +
             f" {'auto':>6} {'best':>5} {'ratio':>6} {'TTFT p50 best/auto s':>21} {'gaps>SLO':>8}")
     lines = [head, "capacity, requests/s" + " " * (len(head) - 20)]
     for r in rows:
         cap = r["capacity"]
-        cells = " ".join(f"{cap[str(k)]:>6.2f}" if cap[str(k)] else f"{'<':>6}" for k in FIXED)
-        auto = f"{cap['auto']:>6.2f}" if cap["auto"] else f"{'<':>6}"
+        cells = " ".join(f"{cap[str(k)]:>6.3f}" if cap[str(k)] else f"{'<':>6}" for k in fixed)
+        auto = f"{cap['auto']:>6.3f}" if cap["auto"] else f"{'<':>6}"
         eq = r.get("equal_load")
         ttft = f"{eq['ttft_p50_' + str(r['best_fixed'])]:.2f} / {eq['ttft_p50_auto']:.2f}" if eq else "-"
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
         gaps = f"{100 * r['auto_gaps_over_slo']:.2f}%" if "auto_gaps_over_slo" in r else "-"
-        lines.append(f"{r['setup']:<15} {r['trace']:<13} {1000 * r['slo_tbt_p99']:>6.0f} {cells} {auto} "
+        lines.append(f"{r['setup']:<18} {r['trace']:<13} {1000 * r['slo_tbt_p99']:>6.0f} {cells} {auto} "
                      f"{r['best_fixed']:>5} {ratio:>6} {ttft:>21} {gaps:>8}")
     return "\n".join(lines)
 
@@ -148,12 +152,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     ap.add_argument("--traces", default="conversation,arxiv")
-    ap.add_argument("--probes", type=int, default=10, help="simulations per capacity search")
+    ap.add_argument("--probes", type=int, default=12, help="simulations per capacity search")
+    ap.add_argument("--fixed", default=",".join(map(str, FIXED)),
+                    help="comma-separated fixed chunk sizes to compare with (default: the powers of two 32-2048)")
     ap.add_argument("--out", type=Path, default=Path("results/auto_budget.json"))
     args = ap.parse_args()
     load = os.getloadavg()
-    rows = [run_setup(SETUPS[s], t, args.probes) for s in args.setups.split(",") for t in args.traces.split(",")]
-    print(table(rows))
+    fixed = tuple(int(k) for k in args.fixed.split(","))
+    rows = [run_setup(SETUPS[s], t, args.probes, fixed) for s in args.setups.split(",")
+            for t in args.traces.split(",")]
+    print(table(rows, fixed))
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": host(),
               "load_average_start": list(load), "load_average_end": list(os.getloadavg()),
               "command": "python benchmarks/auto_budget.py " + " ".join(
