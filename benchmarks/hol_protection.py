@@ -1,27 +1,40 @@
-"""Head-of-line protection on long-context traffic: short requests arriving while a very long prompt is prefilled.
+"""Head-of-line protection: what it buys on long-context traffic, and that it costs nothing on ordinary traffic.
 
-Simulated (the issue's setting): a roofline H100 serving a Llama-3.1-8B-shaped model (128k context), chunk 2048,
-1,000 requests of 100-600 prompt and 50-250 output tokens with 10 of them given a 60,000-token prompt, Poisson at
-5, 10 and 20 requests/s. Configurations, all ``sarathi``:
+**Long-context traffic** (short requests arriving while a very long prompt is prefilled). Simulated: a roofline
+H100 serving a Llama-3.1-8B-shaped model (128k context), chunk 2048, 1,000 requests of 100-600 prompt and
+50-250 output tokens with 10 of them given a 60,000-token prompt, Poisson at 5, 10 and 20 requests/s.
+Configurations, all ``sarathi``:
 
 - ``paper``: the Sarathi-Serve paper's FCFS budget filling (``hol_protection=False``), the reference;
 - ``paper+knobs``: the same with the hand-tuned knobs of the issue (4 partial prefills, threshold 1024, one long);
 - ``paper+t256``: the same with ``long_prefill_token_threshold=256`` alone (the setting that backfired);
 - ``protected``: the default (``hol_protection=True``, thresholds derived from the chunk size);
+- ``protected+cap``: protection with an explicit ``long_prefill_chunk`` of a quarter of the chunk (a TBT cap on
+  long prompts beside decodes or short prompts: the default of earlier versions);
 - ``protected+t256``: protection with the threshold of 256.
 
 Per configuration: short-request (prompt <= 600) TTFT p90/p99, long-request TTFT p50, throughput (prompt +
-output tokens/s over the run), P99 TBT, each against ``paper``; and the issue's goals for ``protected``: short
-TTFT p99 >= 5x lower, long TTFT p50 at most 20% higher, throughput within 2% (not lower by more), P99 TBT no
-worse.
+output tokens/s over the run), P99 TBT, each against ``paper``; and the goals for ``protected``: short TTFT p99
+>= 5x lower, throughput within 2% (not lower by more).
 
-With ``--real``: the same comparison (``paper`` and ``protected``) replayed in real time on SmolLM2-135M on this
-CPU, the traffic scaled to fit (chunk 256, ``--real-requests`` requests of 32-128 prompt and 8-32 output tokens,
-``--real-long`` of them with a ``--real-long-prompt``-token prompt, Poisson at ``--real-qps``), next to the
-simulator's prediction of that very run with the profiled cost model ``--profile``.
+**Ordinary traffic** (``--parts ordinary``): the conversation and arXiv traces as the serving benchmarks use
+them (this CPU's SmolLM2 profile: lengths scaled 1/4 and clipped to 1024 / 128 tokens, SLO P99 TBT <= 1.065 s;
+the H100 roofline of Llama-3-8B: unscaled, clipped to 7168 / 1024, SLO 100 ms; median scheduling delay <= 2 s
+in both), Poisson arrivals, ``sarathi`` at chunk sizes 64 to 2048, the default (``protected``) against
+``hol_protection=False`` (``plain``), both without a prefix cache (these traces share no prefix). Per cell: the
+serving capacity of each (``--probes`` simulations per search), then both run at ``plain``'s capacity (near
+capacity): TTFT p50 and p99, throughput. Goals: TTFT p50 at most 10% higher, throughput not more than 3% lower
+(a higher one means ``plain`` built a backlog at its own capacity), capacity no lower.
 
-    python benchmarks/hol_protection.py                     # simulated only, about 30 s
-    python benchmarks/hol_protection.py --real --threads 1  # plus the real CPU run, a few minutes
+With ``--real``: real-time replays on SmolLM2-135M on this CPU beside the simulator's prediction of each
+(profiled cost model ``--profile``): the long-context comparison scaled to fit (chunk 256, ``--real-requests``
+requests of 32-128 prompt and 8-32 output tokens, ``--real-long`` of them with a ``--real-long-prompt``-token
+prompt, Poisson at ``--real-qps``), and ordinary traffic (``--ordinary-requests`` conversation-trace requests
+at ``--ordinary-qps``, chunk ``--ordinary-chunk``, ``protected`` and ``plain`` in ``--rounds`` alternating
+rounds).
+
+    python benchmarks/hol_protection.py                                 # simulated only, a few minutes
+    python benchmarks/hol_protection.py --real --threads 1              # plus the real CPU runs
 
 Prints the tables and writes ``--out`` (default docs/hol_protection.json) and the real runs' JSON under
 ``--results``.
@@ -35,11 +48,13 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import BenchResult, host, save_results
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.sim import simulator as sim
@@ -51,12 +66,50 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     "max_long_partial_prefills": 1},
     "paper+t256": {"hol_protection": False, "long_prefill_token_threshold": 256},
     "protected": {},
+    "protected+cap": {"long_prefill_chunk": 512},
     "protected+t256": {"long_prefill_token_threshold": 256},
 }
+ORDINARY_CHUNKS = (64, 128, 256, 512, 1024, 2048)
+PROFILE = Path(__file__).resolve().parents[1] / "docs" / "sim_profile_smollm2.json"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """An ordinary-traffic deployment: its cost model, SLO (P99 TBT seconds), the trace scaling that fits it and
+    the rate range of the capacity searches (requests/s)."""
+
+    name: str
+    cost_model: str
+    tbt_slo: float
+    num_requests: int
+    scale: float
+    max_prompt: int
+    max_output: int
+    qps_range: tuple[float, float]
+
+    def workload(self, trace: str, qps: float = 1.0, num_requests: int | None = None) -> Workload:
+        start = 1000 if trace == "conversation" else 0  # the conversation trace's first rows are a warm-up
+        return Workload.from_trace(trace, num_requests=num_requests or self.num_requests, start=start, qps=qps,
+                                   prompt_scale=self.scale, output_scale=self.scale, max_prompt=self.max_prompt,
+                                   max_output=self.max_output)
+
+
+SETUPS = {
+    # the README's CPU SLO (3 x a 355 ms decode step of 32 requests); lengths scaled as the real CPU benchmarks
+    "smollm2-cpu": Setup("smollm2-cpu", str(PROFILE), 1.065, 330, 0.25, 1024, 128, (0.01, 1.0)),
+    "h100-llama3-8b": Setup("h100-llama3-8b", "roofline:h100:llama3-8b", 0.1, 1000, 1.0, 7168, 1024, (0.2, 60.0)),
+}
+ORDINARY = {"protected": {}, "plain": {"hol_protection": False}}
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="long,ordinary", help="comma-separated: long (long-context traffic), "
+                    "ordinary (the traces near capacity)")
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"ordinary traffic's deployments: {', '.join(SETUPS)}")
+    ap.add_argument("--traces", default="conversation,arxiv", help="ordinary traffic's traces")
+    ap.add_argument("--chunk-sizes", default=",".join(map(str, ORDINARY_CHUNKS)), help="ordinary traffic's chunks")
+    ap.add_argument("--probes", type=int, default=10, help="simulations per capacity search (ordinary traffic)")
     ap.add_argument("--qps", default="5,10,20", help="comma-separated arrival rates of the simulated runs")
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--num-long", type=int, default=10)
@@ -69,7 +122,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--real-long-prompt", type=int, default=2000)
     ap.add_argument("--real-qps", type=float, default=1.0)
     ap.add_argument("--real-chunk-size", type=int, default=256)
-    ap.add_argument("--profile", type=Path, default=Path("docs/sim_profile_smollm2.json"),
+    ap.add_argument("--real-parts", default="long,ordinary", help="which real runs --real makes")
+    ap.add_argument("--ordinary-requests", type=int, default=30)
+    ap.add_argument("--ordinary-qps", type=float, default=0.5)
+    ap.add_argument("--ordinary-chunk", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the real ordinary-traffic run")
+    ap.add_argument("--profile", type=Path, default=PROFILE,
                     help="the profiled SmolLM2 cost model the real run is predicted with")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of the real run")
     ap.add_argument("--results", type=Path, default=Path("results/hol_protection"))
@@ -171,14 +229,127 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def ordinary_cell(setup: Setup, trace: str, chunk: int, probes: int) -> dict[str, Any]:
+    """One (deployment, trace, chunk size) cell of the ordinary-traffic study: both capacities, then both runs
+    at ``plain``'s capacity."""
+    cost = sim.load_cost_model(setup.cost_model)
+    wl = setup.workload(trace)
+    slo = SLO(setup.tbt_slo)
+    lo, hi = setup.qps_range
+    caps = {}
+    for label, options in ORDINARY.items():
+        [c] = sim.capacity(wl, cost, slo, policies=["sarathi"], chunk_size=chunk, qps_low=lo, qps_high=hi,
+                           num_probes=probes, enable_prefix_caching=False, **options)
+        caps[label] = c.capacity
+    qps = caps["plain"] or lo
+    at = {}
+    for label, options in ORDINARY.items():
+        config = sim.scheduler_config(cost, "sarathi", chunk, enable_prefix_caching=False, **options)
+        s = sim.simulate(wl.at_qps(qps), cost, config, chunk_size=chunk).summary()
+        at[label] = {k: s[k] for k in ("ttft_p50", "ttft_p99", "throughput_tokens_per_s", "tbt_p99",
+                                       "scheduling_delay_p50")}
+    p, d = at["plain"], at["protected"]
+    ratios = {"ttft_p50": d["ttft_p50"] / p["ttft_p50"], "ttft_p99": d["ttft_p99"] / p["ttft_p99"],
+              "throughput": d["throughput_tokens_per_s"] / p["throughput_tokens_per_s"],
+              "capacity": (caps["protected"] or 0.0) / caps["plain"] if caps["plain"] else None}
+    met = {"ttft_p50_at_most_10pct_higher": ratios["ttft_p50"] <= 1.10,
+           # "within 3%" as a cost: higher throughput at plain's capacity means plain fell behind (a backlog)
+           "throughput_within_3pct": ratios["throughput"] >= 0.97,
+           "capacity_no_lower": (caps["protected"] or 0.0) >= (caps["plain"] or 0.0)}
+    return {"setup": setup.name, "trace": trace, "chunk_size": chunk, "slo_tbt_p99": setup.tbt_slo,
+            "workload": wl.describe(), "capacity": caps, "qps": qps, "at_plain_capacity": at, "ratios": ratios,
+            "goals": met}
+
+
+def ordinary_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'setup':<15} {'trace':<13} {'chunk':>5} {'capacity plain/prot req/s':>26} {'at req/s':>8} "
+             f"{'TTFT p50 plain/prot s':>22} {'ratio':>6} {'TTFT p99 ratio':>14} {'tok/s ratio':>11} {'goals':>5}"]
+    for r in rows:
+        c, a, q = r["capacity"], r["at_plain_capacity"], r["ratios"]
+        cap = " / ".join(f"{c[k]:.3f}" if c[k] else "<" for k in ("plain", "protected"))
+        verdict = "met" if all(r["goals"].values()) else "MISS"
+        lines.append(f"{r['setup']:<15} {r['trace']:<13} {r['chunk_size']:>5} {cap:>26} {r['qps']:>8.3f} "
+                     f"{a['plain']['ttft_p50']:>10.3f} / {a['protected']['ttft_p50']:<9.3f} {q['ttft_p50']:>6.3f} "
+                     f"{q['ttft_p99']:>14.3f} {q['throughput']:>11.4f} {verdict:>5}")
+    return "\n".join(lines)
+
+
+def ordinary(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for name in args.setups.split(","):
+        for trace in args.traces.split(","):
+            for chunk in (int(k) for k in args.chunk_sizes.split(",")):
+                rows.append(ordinary_cell(SETUPS[name], trace, chunk, args.probes))
+                print(ordinary_table(rows[-1:]).splitlines()[1], flush=True)
+    print(f"\nsimulated, ordinary traffic, near capacity (both at plain's capacity)\n{ordinary_table(rows)}")
+    return rows
+
+
+def real_ordinary(args: argparse.Namespace) -> dict[str, Any]:
+    """``protected`` and ``plain`` replayed on SmolLM2 in ``args.rounds`` alternating rounds, on the same
+    conversation-trace workload, beside the simulator's prediction of each."""
+    import torch
+
+    from sarathi_lite.bench import replay
+
+    torch.set_num_threads(args.threads)
+    setup = SETUPS["smollm2-cpu"]
+    workload = setup.workload("conversation", qps=args.ordinary_qps, num_requests=args.ordinary_requests)
+    configs = [("sarathi", args.ordinary_chunk)]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in ORDINARY}
+    results = []
+    engine = replay.build_engine(None, "sarathi", args.ordinary_chunk)  # loaded once; each run gets its own KV
+    for i in range(args.rounds):
+        for label in (ORDINARY if i % 2 == 0 else reversed(ORDINARY)):
+            load = os.getloadavg()
+            [result] = replay.run(workload, configs=configs, progress=False, engine=engine,
+                                  enable_prefix_caching=False, **ORDINARY[label])
+            result.meta.update(loadavg_before=load, round=i, label=label)
+            results.append(result)
+            s = result.summary()
+            runs[label].append({"round": i, "loadavg_before": load, **{k: s[k] for k in (
+                "ttft_p50", "ttft_p99", "throughput_tokens_per_s", "tbt_p99", "scheduling_delay_p50")}})
+            print(f"round {i} {label:<9} load {load[0]:.2f}: TTFT p50 {s['ttft_p50']:.2f} s, p99 "
+                  f"{s['ttft_p99']:.2f} s, {s['throughput_tokens_per_s']:.1f} tok/s, P99 TBT {s['tbt_p99']:.3f} s",
+                  flush=True)
+    save_results(results, args.results / "real_ordinary")
+    cost_model = sim.load_cost_model(args.profile)
+    predicted = {}
+    for label, options in ORDINARY.items():
+        config = sim.scheduler_config(cost_model, "sarathi", args.ordinary_chunk, enable_prefix_caching=False,
+                                      num_kv_blocks=results[0].config["num_kv_blocks"],
+                                      max_model_len=results[0].config["max_model_len"], **options)
+        s = sim.simulate(workload, cost_model, config).summary()
+        predicted[label] = {k: s[k] for k in ("ttft_p50", "ttft_p99", "throughput_tokens_per_s", "tbt_p99")}
+    paired = {k: [d[k] / p[k] for d, p in zip(runs["protected"], runs["plain"])]
+              for k in ("ttft_p50", "ttft_p99", "throughput_tokens_per_s", "tbt_p99")}
+    out = {"workload": workload.describe(), "chunk_size": args.ordinary_chunk, "runs": runs,
+           "protected_over_plain_per_round": paired,
+           "protected_over_plain_median": {k: float(np.median(v)) for k, v in paired.items()},
+           "simulated": predicted,
+           "simulated_protected_over_plain": {k: predicted["protected"][k] / predicted["plain"][k]
+                                              for k in predicted["plain"]}}
+    print(f"\nreal CPU run, ordinary traffic, {workload.describe()}, chunk {args.ordinary_chunk}: protected / plain "
+          f"per round {paired}\nsimulated protected / plain: {out['simulated_protected_over_plain']}")
+    return out
+
+
 def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
     command = "python benchmarks/hol_protection.py " + " ".join(sys.argv[1:])
+    parts, real_parts = args.parts.split(","), args.real_parts.split(",")
     report: dict[str, Any] = {"command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                              "machine": host(), "loadavg": os.getloadavg(), "simulated": simulated(args)}
-    if args.real:
+                              "machine": host(), "loadavg": os.getloadavg()}
+    if "long" in parts:
+        report["simulated"] = simulated(args)
+    if "ordinary" in parts:
+        report["ordinary"] = ordinary(args)
+    if args.real and "long" in real_parts:
         report["real"] = real(args)
+    if args.real and "ordinary" in real_parts:
+        report["real_ordinary"] = real_ordinary(args)
+    report["loadavg_end"] = os.getloadavg()
     report["wall_time"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -14,7 +14,7 @@ Pure Python (stdlib only, never torch), so a serving framework or a simulator ca
 from .base import Scheduler
 from .block_manager import BlockManager, block_key
 from .budget import StepTimePredictor, TokenBudget
-from .config import CHUNKED_POLICIES, HOL_ADMISSION_BOUND, POLICIES, SchedulerConfig
+from .config import CHUNKED_POLICIES, HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, POLICIES, SchedulerConfig
 from .output import ScheduledRequest, SchedulerOutput
 from .policies import (
     OrcaScheduler,
@@ -27,8 +27,24 @@ from .policies import (
 from .request import Request, RequestStatus
 
 __all__ = [
-    "BlockManager", "CHUNKED_POLICIES", "HOL_ADMISSION_BOUND", "block_key", "OrcaScheduler", "POLICIES", "Request",
-    "RequestLevelScheduler", "RequestStatus", "SarathiScheduler", "ScheduledRequest", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SimpleChunkingScheduler", "StepTimePredictor", "TokenBudget", "VLLMScheduler",
+    "BlockManager",
+    "CHUNKED_POLICIES",
+    "HOL_ADMISSION_BOUND",
+    "LONG_PROMPT_CHUNKS",
+    "block_key",
+    "OrcaScheduler",
+    "POLICIES",
+    "Request",
+    "RequestLevelScheduler",
+    "RequestStatus",
+    "SarathiScheduler",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SimpleChunkingScheduler",
+    "StepTimePredictor",
+    "TokenBudget",
+    "VLLMScheduler",
     "make_scheduler",
 ]

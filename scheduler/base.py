@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterable, Mapping
-from itertools import islice
+from itertools import chain, islice
 from operator import attrgetter
 
 from .block_manager import BlockManager
@@ -329,18 +329,41 @@ class Scheduler:
 
     def _schedule_prefills(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
         """Continue the prompts mid-prefill (``prefills``, in arrival order) and admit waiting ones within
-        ``budget`` tokens: first come, first served (the paper's policy), or with head-of-line protection
-        (``_schedule_prefills_protected``). Returns tokens used."""
-        if self.config.protects_short_prompts:
+        ``budget`` tokens: first come, first served (the paper's policy), or, with head-of-line protection and a
+        short prompt to protect from a long one, short prompts first (``_schedule_prefills_protected``).
+        Returns tokens used."""
+        protected = self.config.protects_short_prompts
+        if protected and self._protection_needed(prefills):
             return self._schedule_prefills_protected(prefills, budget, out)
         used = self._schedule_partial_prefills(prefills, budget, out)
         if budget - used > 0:
+            # Protected but with nobody to protect: plain FCFS. Admission happens only once every prompt
+            # mid-prefill has finished in this iteration, so no long prompt holds a long slot any more.
             used += self._admit(budget - used, out, num_partial=len(prefills),
-                                num_long=sum(map(self._is_long, prefills)))
+                                num_long=0 if protected else sum(map(self._is_long, prefills)))
         return used
+
+    def _protection_needed(self, prefills: list[Request]) -> bool:
+        """Whether head-of-line protection has anything to do this iteration: a long prompt (mid-prefill or
+        waiting) beside a short one, or beside one long only by ``long_prefill_token_threshold`` whose whole
+        prefill fits an iteration (mid-prefill or waiting); or any long prompt at all when ``long_prefill_chunk``
+        caps long prompts. Otherwise the iteration is scheduled first come, first served, exactly as without
+        protection."""
+        is_long, budget = self._is_long, self.config.token_budget
+        capped = self.config.long_prefill_chunk is not None
+        seen_long = seen_small = False
+        for req in chain(prefills, self.waiting):
+            long = is_long(req)
+            small = not long or req.num_prefill_tokens <= budget
+            if long and (capped or seen_small) or small and seen_long:
+                return True
+            seen_long |= long
+            seen_small |= small
+        return False
 
     def _schedule_prefills_protected(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
         """Head-of-line protection (``SchedulerConfig.hol_protection``): short prompts first, long ones after.
+        Runs only in iterations with a short prompt to protect (``_protection_needed``).
 
         1. Keep a share of ``budget`` for the long prompts mid-prefill: ``min(long_chunk, budget // 2, what
            they still need)``, so they progress every iteration; at least half is always the short prompts'.
@@ -349,9 +372,10 @@ class Scheduler:
            prefill in this iteration, so they never hold a long slot). Together they hold every partial-prefill
            slot the long prompts do not (at least one).
         3. Long prompts mid-prefill, then waiting long ones (at most ``max(max_num_partial_prefills - 1, 1)``
-           and ``max_long_partial_prefills`` mid-prefill at once) take what is left: all of it in an iteration
-           of their own, at most ``long_chunk`` tokens in one shared with decodes or short prompts, so those
-           iterations stay about as fast as the others.
+           and ``max_long_partial_prefills`` left mid-prefill at once) take everything the short prompts left:
+           the share is given back the moment no short prompt needs it, so the budget is filled as without
+           protection. Only an explicit ``long_prefill_chunk`` caps them, in an iteration shared with decodes or
+           short prompts, at that many tokens (a TBT cap for long-context attention).
 
         So the oldest waiting short prompt is admitted in this iteration whenever no other short prompt is
         mid-prefill and a seat and KV blocks are free for it: nothing a long prompt holds keeps it out
@@ -361,19 +385,24 @@ class Scheduler:
         longs = [r for r in prefills if is_long(r)]
         shorts = [r for r in prefills if not is_long(r)]
         max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
-        long_chunk = cfg.long_chunk
         share = 0
         if longs:
-            share = min(long_chunk, budget // 2, sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
+            share = min(cfg.long_chunk, budget // 2,
+                        sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
         short_budget = budget - share
         used = self._schedule_partial_prefills(shorts, short_budget, out)
         short_slots = max(max_partial - len(longs), 1)
         used, slots, short_left = self._admit_lane(short_budget, used, short_slots - len(shorts), out, long=False)
         used, slots, _ = self._admit_lane(short_budget, used, slots, out, long=True, whole=True)
-        lane = budget - used if out.is_empty else min(budget - used, long_chunk)
+        cap = cfg.long_prefill_chunk
+        lane = budget - used if cap is None or out.is_empty else min(budget - used, cap)
         lane_used = self._schedule_partial_prefills(longs, lane, out)
         if not short_left:  # a long prompt never takes a seat or blocks from a short one left waiting
-            long_slots = min(cfg.max_long_partial_prefills - len(longs), max(max_partial - 1, 1) - len(longs),
+            # Long prompts still mid-prefill after this iteration: none once the lane has room left (each got
+            # all it needed), so one finishing now frees its long slot for the next in the same iteration (but
+            # still counts against max_num_partial_prefills, a limit on the prompts of one batch).
+            held = len(longs) if lane_used >= lane else 0
+            long_slots = min(cfg.max_long_partial_prefills - held, max(max_partial - 1, 1) - held,
                              max_partial - len(longs) - (short_slots - slots))
             lane_used, _, _ = self._admit_lane(lane, lane_used, long_slots, out, long=True)
         return used + lane_used

@@ -11,6 +11,10 @@ CHUNKED_POLICIES = ("sarathi", "simple_chunking")
 # short prompt, no other short prompt is mid-prefill and a seat and KV blocks are free for it, whatever long prompts
 # hold: it is admitted in the very next iteration (simple_chunking: its next prefill iteration, so within 2).
 HOL_ADMISSION_BOUND = 1
+# With hol_protection and a fixed chunk_size, a prompt is long (by default) when its prefill needs more than this many
+# iterations' budgets. One chunk made every ordinary prompt above the budget "long" and cost capacity on ordinary
+# traffic; four keeps every measured ordinary trace unchanged (docs/benchmarks.md, head-of-line protection).
+LONG_PROMPT_CHUNKS = 4
 
 
 @dataclass(slots=True)
@@ -39,7 +43,8 @@ class SchedulerConfig:
     max_num_partial_prefills: most prompts mid-prefill at once (``None``: no limit beyond ``max_num_seqs``).
     long_prefill_token_threshold: prompts with more prefill tokens than this count as long. Without
         ``hol_protection`` a long prompt's chunk per iteration is capped at this many tokens (``None``: no
-        prompt is long); with it, see below (``None``: ``chunk_size``).
+        prompt is long); with it, see below (``None``: ``LONG_PROMPT_CHUNKS * chunk_size``, or
+        ``max_num_batched_tokens`` with ``chunk_size="auto"``).
     max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
         a long prompt that this limit holds back.
     enable_prefix_caching: reuse the KV blocks of a prompt prefix another request has already computed
@@ -48,19 +53,23 @@ class SchedulerConfig:
         the same either way); the paper's policy comparisons turn it off.
     hol_protection: head-of-line protection for short prompts (chunked policies only). On by default;
         ``False`` is the Sarathi-Serve paper's first-come-first-served budget filling, which the paper's policy
-        comparisons use. With it the knobs compose into one guarantee (``HOL_ADMISSION_BOUND``): a short prompt (at most
-        ``long_threshold`` prefill tokens) is admitted in the first iteration in which it is the oldest waiting
-        short prompt, no other short prompt is mid-prefill and a seat and KV blocks are free for it, whatever
-        long prompts are mid-prefill or waiting. Per iteration, after the decodes: short prompts (mid-prefill,
-        then waiting ones passing waiting long ones, then long ones whose whole prefill fits what is left) fill
-        the budget but for a share kept for the long prompts mid-prefill (``min(long_chunk, half the budget,
-        what they still need)``, so they never starve); the long prompts take the rest, capped at
-        ``long_chunk`` in an iteration shared with decodes or short prompts. Long prompts hold at most
-        ``max(max_num_partial_prefills - 1, 1)`` (and ``max_long_partial_prefills``) partial-prefill slots; short
-        prompts always have at least one. See ``Scheduler._schedule_prefills_protected``.
-    long_prefill_chunk: with ``hol_protection``, the most prefill tokens long prompts get in an iteration they
-        share with decodes or short prompts (``None``: ``min(long_threshold, chunk_size // 4)``), which keeps
-        those iterations, whose long-context attention is the costliest, about as fast as the others.
+        comparisons use. It acts only in iterations with a short prompt to protect (a long prompt beside a short
+        one, mid-prefill or waiting); every other iteration is scheduled exactly as without it, so traffic
+        whose prompts all sit on one side of ``long_threshold`` gets the paper's batches. With it the knobs
+        compose into one guarantee (``HOL_ADMISSION_BOUND``): a short prompt (at most ``long_threshold`` prefill
+        tokens) is admitted in the first iteration in which it is the oldest waiting short prompt, no other short
+        prompt is mid-prefill and a seat and KV blocks are free for it, whatever long prompts are mid-prefill or
+        waiting. In such an iteration, after the decodes: short prompts (mid-prefill, then waiting ones passing
+        waiting long ones, then long ones whose whole prefill fits what is left) fill the budget but for a share
+        kept for the long prompts mid-prefill (``min(long_chunk, half the budget, what they still need)``, so
+        they never starve); the long prompts take everything the short ones leave (capped only by an explicit
+        ``long_prefill_chunk``). Long prompts hold at most ``max(max_num_partial_prefills - 1, 1)`` (and
+        ``max_long_partial_prefills``) partial-prefill slots; short prompts always have at least one. See
+        ``Scheduler._schedule_prefills_protected``.
+    long_prefill_chunk: with ``hol_protection``, a cap on the prefill tokens long prompts get in an iteration
+        they share with decodes or short prompts, which keeps those iterations, whose long-context attention is
+        the costliest, about as fast as the others, at some throughput (``None``, the default: no cap; the share
+        kept for long prompts beside short ones is then ``min(long_threshold, chunk_size // 4)``).
     tbt_slo: with ``chunk_size="auto"`` (required then, unused otherwise): the time-between-tokens target,
         seconds per iteration.
     budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take, in (0, 1].
@@ -142,16 +151,19 @@ class SchedulerConfig:
     @property
     def long_threshold(self) -> int | None:
         """Prefill tokens above which a prompt is long: ``long_prefill_token_threshold``, which under head-of-line
-        protection defaults to ``token_budget`` (a prompt that cannot be prefilled in one iteration); ``None``
-        when no prompt is long."""
+        protection defaults to ``LONG_PROMPT_CHUNKS * chunk_size`` (a prompt that needs several iterations; with
+        ``chunk_size="auto"``, ``max_num_batched_tokens``); ``None`` when no prompt is long."""
         if self.long_prefill_token_threshold is None and self.protects_short_prompts:
-            return self.token_budget
+            if self.auto_budget:
+                return self.token_budget
+            return LONG_PROMPT_CHUNKS * self.token_budget
         return self.long_prefill_token_threshold
 
     @property
     def long_chunk(self) -> int:
-        """Under head-of-line protection, the most prefill tokens long prompts get in an iteration they share
-        with decodes or short prompts: ``long_prefill_chunk``, by default ``min(long_threshold, token_budget // 4)``
+        """Under head-of-line protection, the prefill tokens kept for long prompts mid-prefill in an iteration that
+        short prompts fill first, and with an explicit ``long_prefill_chunk`` also the most they get beside
+        decodes or short prompts: ``long_prefill_chunk``, by default ``min(long_threshold, token_budget // 4)``
         (at least 1; ``token_budget`` is ``chunk_size``, or ``max_num_batched_tokens`` for ``"auto"``)."""
         if self.long_prefill_chunk is not None:
             return self.long_prefill_chunk

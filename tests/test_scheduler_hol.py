@@ -7,14 +7,16 @@ examples below pin the mechanism and the knobs' composition, including the setti
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from sarathi_lite.scheduler import HOL_ADMISSION_BOUND, SchedulerConfig
+from sarathi_lite.scheduler import HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, SchedulerConfig, make_scheduler
 
 from .test_scheduler_policies import D, P, batch, make, req, step
-from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, RequestSpec, Workload, run
+from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, RequestSpec, Workload, fake_token, run
 
 
 @st.composite
@@ -53,6 +55,74 @@ def test_no_short_prompt_waits_behind_a_long_one(policy: str, data: st.DataObjec
     trace = run(data.draw(long_context_workloads(policy)))
     event("head-of-line bound checked" if trace.hol_checks else "head-of-line bound not reached")
     event("preemption" if trace.preemptions else "no preemption")
+
+
+@st.composite
+def one_sided_workloads(draw: st.DrawFn, policy: str) -> Workload:
+    """Ordinary traffic for head-of-line protection: every prompt short (even recomputed after a preemption,
+    with all its outputs: prompt + max_tokens at most the default long threshold, ``LONG_PROMPT_CHUNKS`` budgets,
+    so prompts of several chunks are ordinary), or every prompt long (above it), arriving at random steps, with
+    random budgets, pools (tight ones preempt), limits and prefix sharing."""
+    chunk_size = draw(st.integers(2, 32))
+    threshold = LONG_PROMPT_CHUNKS * chunk_size
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = threshold + 140
+    long = draw(st.booleans())
+    specs = []
+    for i in range(draw(st.integers(1, 12))):
+        if long:
+            prompt_len, max_tokens = draw(st.integers(threshold + 1, threshold + 100)), draw(st.integers(1, 30))
+        else:
+            prompt_len = draw(st.integers(1, threshold))
+            max_tokens = draw(st.integers(1, max(threshold - prompt_len, 1)))
+        specs.append(RequestSpec(f"r{i}", prompt_len, max_tokens,
+                                 draw(st.frozensets(st.integers(0, VOCAB - 1), max_size=1)),
+                                 draw(st.integers(0, 30)), draw(st.integers(0, 1)), draw(st.integers(0, 40))))
+    needs = [-(-max(min(s.prompt_len + s.max_tokens, max_model_len) - 1, s.prompt_len) // block_size)
+             for s in specs]
+    config = SchedulerConfig(
+        policy=policy, chunk_size=chunk_size, max_num_seqs=draw(st.integers(1, 10)), max_model_len=max_model_len,
+        block_size=block_size, num_blocks=draw(st.integers(max(needs), max(needs) + sum(needs))),
+        watermark=draw(st.sampled_from([0.0, 0.05])), max_num_partial_prefills=draw(st.none() | st.integers(1, 3)),
+        max_long_partial_prefills=draw(st.integers(1, 3)), enable_prefix_caching=draw(st.booleans()),
+        hol_protection=True)
+    return Workload(config, tuple(specs))
+
+
+def batches(workload: Workload) -> list[tuple[list[tuple[str, int, int]], list[str]]]:
+    """Every step's rows ``(request id, computed tokens, new tokens)`` and preemptions, the fake model sampling."""
+    sched = make_scheduler(workload.config)
+    pending = sorted(workload.requests, key=lambda s: s.arrival_step)
+    steps = []
+    for i in range(5000):
+        while pending and pending[0].arrival_step <= i:
+            sched.add(pending.pop(0).request())
+        if not (pending or sched.has_unfinished()):
+            return steps
+        if sched.has_unfinished():
+            out = sched.schedule()
+            steps.append(([(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
+                          list(out.preempted_ids)))
+            sampled = {s.request_id: fake_token(s.request_id, len(sched.requests[s.request_id].output_token_ids))
+                       for s in out.scheduled if s.sample}
+            sched.update(out, sampled)
+    raise AssertionError("the workload did not finish")
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_protection_changes_no_batch_when_no_prompt_crosses_the_threshold(policy: str, data: st.DataObject) -> None:
+    workload = data.draw(one_sided_workloads(policy))
+    plain = dataclasses.replace(workload, config=dataclasses.replace(workload.config, hol_protection=False))
+    protected = batches(workload)
+    assert protected == batches(plain)
+    assert workload.config.long_threshold == LONG_PROMPT_CHUNKS * workload.config.chunk_size
+    long = workload.requests[0].prompt_len > workload.config.long_threshold
+    event("every prompt long" if long else "every prompt short")
+    event("prompts above one chunk" if max(s.prompt_len for s in workload.requests) > workload.config.chunk_size
+          else "every prompt within one chunk")
+    event("preemption" if any(preempted for _, preempted in protected) else "no preemption")
 
 
 def long_with_short_arrivals(**options: object) -> list[int]:
@@ -101,17 +171,26 @@ def test_prompt_above_threshold_that_fits_runs_whole_instead_of_waiting_for_the_
     sched.add(req("long", 300))
     step(sched)
     sched.add(req("medium", 40))  # long by the threshold, but its whole prefill fits beside the long prompt
-    assert batch(step(sched)) == {"medium": (P, 40), "long": (P, 16)}
+    assert batch(step(sched)) == {"medium": (P, 40), "long": (P, 24)}, "the long prompt takes what is left"
 
 
-def test_lone_long_prompt_takes_the_whole_budget_and_is_capped_beside_decodes() -> None:
+def test_long_prompt_takes_what_short_prompts_leave_and_is_not_throttled_beside_decodes() -> None:
     sched = make("sarathi", chunk_size=64, hol_protection=True)
-    assert sched.config.long_threshold == 64 and sched.config.long_chunk == 16
+    assert sched.config.long_threshold == 4 * 64 and sched.config.long_chunk == 16
+    sched.add(req("long", 300, max_tokens=2))
+    assert batch(step(sched)) == {"long": (P, 64)}, "alone, a long prompt is not throttled"
+    sched.add(req("short", 10, max_tokens=20))
+    assert batch(step(sched)) == {"short": (P, 10), "long": (P, 54)}, "the short first, the long the rest"
+    assert batch(step(sched)) == {"short": (D, 1), "long": (P, 63)}, "beside decodes, the whole budget"
+
+
+def test_explicit_long_prefill_chunk_caps_long_prompts_beside_decodes_and_short_prompts() -> None:
+    sched = make("sarathi", chunk_size=64, hol_protection=True, long_prefill_chunk=16)
     sched.add(req("long", 300, max_tokens=2))
     assert batch(step(sched)) == {"long": (P, 64)}, "alone, a long prompt is not throttled"
     sched.add(req("short", 10, max_tokens=20))
     assert batch(step(sched)) == {"short": (P, 10), "long": (P, 16)}
-    assert batch(step(sched)) == {"short": (D, 1), "long": (P, 16)}, "beside decodes, long_chunk tokens"
+    assert batch(step(sched)) == {"short": (D, 1), "long": (P, 16)}, "beside decodes, long_prefill_chunk tokens"
 
 
 def test_long_prompts_keep_their_share_when_short_prompts_fill_the_budget() -> None:

@@ -313,17 +313,19 @@ class Driver:
         threshold = cfg.long_threshold
         chunked = cfg.policy in CHUNKED_POLICIES
         protected = cfg.protects_short_prompts
-        # Under HOL protection, long prompts still mid-prefill after this step get at most long_chunk tokens in
-        # a batch shared with decodes or short prompts (which run first); a long prompt's chunk may stop short of
-        # the budget only once the long prompts' rows hold long_chunk tokens.
-        long_rows = [s for s in rows if s.is_prefill and protected
+        # Under HOL protection with an explicit long_prefill_chunk, long prompts still mid-prefill after this step
+        # get at most that many tokens in a batch shared with decodes or short prompts (which run first); a long
+        # prompt's chunk may stop short of the budget only once the long prompts' rows hold that many tokens.
+        # Without one, long prompts take whatever the short prompts leave: nothing is cut short of the budget.
+        capped = protected and cfg.long_prefill_chunk is not None
+        long_rows = [s for s in rows if s.is_prefill and capped
                      and sched.requests[s.request_id].num_prefill_tokens > threshold]
-        if protected and any(not s.is_prefill or sched.requests[s.request_id].num_prefill_tokens <= threshold
-                             for s in rows):
+        if capped and any(not s.is_prefill or sched.requests[s.request_id].num_prefill_tokens <= threshold
+                          for s in rows):
             unfinished = sum(s.num_new_tokens for s in long_rows if s.num_computed_tokens + s.num_new_tokens
                              < sched.requests[s.request_id].num_prefill_tokens)
             assert unfinished <= cfg.long_chunk, "long prompts took more than long_chunk beside decodes or short ones"
-        long_lane_full = protected and sum(s.num_new_tokens for s in long_rows) >= cfg.long_chunk
+        long_lane_full = capped and sum(s.num_new_tokens for s in long_rows) >= cfg.long_chunk
         first_now: list[str] = []
         for s in rows:
             req = sched.requests[s.request_id]

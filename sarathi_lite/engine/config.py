@@ -67,11 +67,12 @@ class EngineConfig:
         "are the same either way)")
     hol_protection: bool = _scheduler_option(
         "hol_protection", "head-of-line protection: short prompts are admitted past long ones mid-prefill, which "
-        "keep a share of the budget (see SchedulerConfig.hol_protection); --no-hol-protection is the "
-        "Sarathi-Serve paper's first-come-first-served policy")
+        "keep a share of the budget; iterations with no short prompt beside a long one are scheduled as without "
+        "it (see SchedulerConfig.hol_protection); --no-hol-protection is the Sarathi-Serve paper's "
+        "first-come-first-served policy")
     long_prefill_chunk: int | None = _scheduler_option(
-        "long_prefill_chunk", "with hol_protection, most prefill tokens long prompts get in an iteration shared "
-        "with decodes or short prompts (default: min(long_prefill_token_threshold, chunk_size // 4))")
+        "long_prefill_chunk", "with hol_protection, cap long prompts at this many prefill tokens in an iteration "
+        "shared with decodes or short prompts, for TBT under long-context attention (default: no cap)")
     tbt_slo: float | None = _scheduler_option(
         "tbt_slo", "with chunk_size auto: the time-between-tokens target of every iteration (seconds)")
     budget_safety: float = _scheduler_option(
