@@ -11,11 +11,14 @@ Pure Python (stdlib only, never torch), so a serving framework or a simulator ca
         sched.update(out, sampled)
 """
 
+from .admission import ShortPromptProtection
 from .base import Scheduler
 from .block_manager import BlockManager, block_key
 from .budget import StepTimePredictor, TokenBudget
-from .config import CHUNKED_POLICIES, HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, POLICIES, SchedulerConfig
-from .output import ScheduledRequest, SchedulerOutput
+from .config import HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, SchedulerConfig
+from .kv_cache_manager import KVCacheManager
+from .kv_transfer import KVConnectorScheduler, KVLoad, KVSave
+from .output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from .policies import (
     OrcaScheduler,
     RequestLevelScheduler,
@@ -24,14 +27,29 @@ from .policies import (
     VLLMScheduler,
     make_scheduler,
 )
+from .registry import chunked_policy_names, policy_class, policy_names, register_policy
 from .request import Request, RequestStatus
+
+# The built-in policies, from the registry (a policy registered later shows in policy_names(), not here).
+POLICIES = policy_names()
+CHUNKED_POLICIES = chunked_policy_names()
 
 __all__ = [
     "BlockManager",
     "CHUNKED_POLICIES",
     "HOL_ADMISSION_BOUND",
+    "KVCacheManager",
+    "KVConnectorScheduler",
+    "KVLoad",
+    "KVSave",
     "LONG_PROMPT_CHUNKS",
+    "PLACEHOLDER_TOKEN",
+    "ShortPromptProtection",
     "block_key",
+    "chunked_policy_names",
+    "policy_class",
+    "policy_names",
+    "register_policy",
     "OrcaScheduler",
     "POLICIES",
     "Request",

@@ -1,52 +1,82 @@
-"""The scheduler core every policy shares: request bookkeeping, block allocation, preemption, update."""
+"""The scheduler core every policy shares: request bookkeeping, the batches in flight, preemption, update, and the
+public building blocks policies compose (``schedule_decodes``, ``schedule_prefills``, ``admit``, ...)."""
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable, Mapping
-from itertools import chain, islice
+from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
 from operator import attrgetter
+from typing import Any
 
-from .block_manager import BlockManager
+from .admission import ShortPromptProtection
 from .budget import StepTimePredictor, TokenBudget
 from .config import SchedulerConfig
-from .output import ScheduledRequest, SchedulerOutput
+from .kv_cache_manager import KVCacheManager
+from .kv_transfer import KVConnectorScheduler, KVLoad, KVSave
+from .output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from .request import Request, RequestStatus
 
-_SEQ = attrgetter("seq")
 RUNNING = RequestStatus.RUNNING
+WAITING_FOR_REMOTE_KV = RequestStatus.WAITING_FOR_REMOTE_KV
 
 
 class Scheduler:
-    """Owns the requests and the KV block pool; a policy decides what each iteration runs.
+    """Owns the requests; a policy (a subclass, registered with ``register_policy``) decides what each iteration
+    runs by composing the building blocks below in ``compose(out)``.
 
-    Use: ``add`` requests, then repeat ``out = schedule()``, run ``out``, ``update(out, sampled)``. Every
-    request's counts advance only in ``update``, so each ``schedule()`` must be followed by its ``update()``.
+    Use: ``add`` requests, then repeat ``out = schedule()``, run ``out``, ``update(out, sampled)``. With
+    ``max_concurrent_batches`` N, up to N outputs may be outstanding; ``update`` takes them in the order
+    ``schedule`` gave them, and a request is in at most one of them (except under ``async_scheduling``, see
+    ``SchedulerConfig``). A request's counts advance in ``update``; while its row is in flight it is marked
+    (``Request.num_in_flight``) and the policies pass it over, it is never a preemption victim, and aborting it
+    frees its blocks at once (safe because batches execute in order: any later batch that reuses them runs after).
 
-    ``waiting`` holds requests without KV blocks in arrival order (preempted ones return to their place at the
-    front); ``running`` holds requests with KV blocks, also in arrival order, so the most recently arrived
-    running request, the preemption victim, is always ``running[-1]``.
+    ``waiting`` holds requests without KV blocks in ``order_key`` order (arrival, by default; preempted ones return
+    to their place); ``running`` holds requests with KV blocks in the same order, so the latest, the preemption
+    victim, is last; ``waiting_for_kv`` those whose blocks a KV connector is filling. The block tables belong to
+    ``kv`` (a ``KVCacheManager``); ``block_manager`` is its pool, for reading counts.
 
     predictor: the step-time model of ``chunk_size="auto"`` (required then, unused otherwise); see ``budget``.
+    connector: the scheduler side of a KV connector (``kv_transfer``), or ``None``.
     """
 
     policy = "base"
     chunked = True
+    order_key: Callable[[Request], Any] = staticmethod(attrgetter("seq"))
+    """The key ``waiting`` and ``running`` are kept sorted by (arrival order); a policy may order otherwise."""
 
-    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = self.kv.pool
         self.budget = _token_budget(config, predictor)
+        self.protection = ShortPromptProtection(self) if config.protects_short_prompts else None
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._next_seq = 0
+        # Batches handed out and not yet updated, oldest first, with the requests of their rows (tracked only
+        # when several may be in flight: with one, schedule() and update() simply alternate).
+        self._track = config.max_concurrent_batches > 1
+        self._in_flight: deque[tuple[SchedulerOutput, list[Request]]] = deque()
+        self._next_batch_id = 0
+        self._outstanding = 0  # untracked: whether a schedule() awaits its update()
+        self._loads: dict[str, int] = {}  # KV loads under way: request id -> tokens loading
+        self._load_holds: dict[str, int] = {}  # aborted while loading: its blocks held until the load ends
+        self._sends: dict[str, int] = {}  # finished requests whose KV is being sent -> hold handle
+        self._saves: list[KVSave] = []
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: Request) -> None:
-        """Queue a new request. Raises ``ValueError`` if it could never be served."""
+    def add(self, request: Request, num_external_tokens: int = 0) -> None:
+        """Queue a new request. ``num_external_tokens``: its first prompt tokens whose K/V a KV connector supplies
+        (their prefill is skipped; at least the last prompt token is computed here, to sample from). Raises
+        ``ValueError`` if it could never be served or the count is out of range."""
         cfg = self.config
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use by an unfinished request")
@@ -61,12 +91,16 @@ class Scheduler:
                 f"request {request.request_id!r}: prompt of {n} tokens is longer than "
                 f"max_model_len={cfg.max_model_len}"
             )
+        if isinstance(num_external_tokens, bool) or not isinstance(num_external_tokens, int) \
+                or not 0 <= num_external_tokens < n:
+            raise ValueError(f"request {request.request_id!r}: num_external_tokens={num_external_tokens!r} must be "
+                             f"an int in [0, {n}) (the last prompt token is computed here)")
         # The most K/V it will ever hold: every token but the last sampled one.
         peak = min(n + request.max_tokens, cfg.max_model_len) - 1
-        if self.block_manager.blocks_for(max(peak, n)) > cfg.num_blocks:
+        if self.kv.blocks_for(max(peak, n)) > cfg.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r}: {n} prompt tokens + max_tokens={request.max_tokens} need "
-                f"{self.block_manager.blocks_for(max(peak, n))} KV blocks of {cfg.block_size} tokens, more than "
+                f"{self.kv.blocks_for(max(peak, n))} KV blocks of {cfg.block_size} tokens, more than "
                 f"the whole pool (num_blocks={cfg.num_blocks})"
             )
         request.seq = self._next_seq
@@ -75,17 +109,23 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_prefill_tokens = n
         request.num_cached_tokens = request.num_committed_blocks = 0
+        request.num_external_tokens = num_external_tokens
         request.block_hashes = []
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._insert(self.waiting, request)
 
     def abort(self, request_id: str) -> Request:
-        """Remove a request in any state and free its blocks. Raises ``ValueError`` for an unknown id."""
+        """Remove a request in any state and free its blocks (a request whose KV is loading keeps them held until
+        the load ends). Raises ``ValueError`` for an unknown id."""
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"request_id={request_id!r} is unknown or already finished")
         if req.status is RUNNING:
             self.running.remove(req)
+        elif req.status is WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[request_id]
+            del self._loads[request_id]
+            self._load_holds[request_id] = self.kv.hold(req.block_ids)
         else:
             self.waiting.remove(req)
         self._finish(req, "abort")
@@ -103,9 +143,45 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Batches scheduled and not yet updated (tracked when ``max_concurrent_batches`` > 1)."""
+        return len(self._in_flight)
+
+    def can_schedule(self) -> bool:
+        """Whether ``schedule()`` may hand out another batch now (fewer than ``max_concurrent_batches`` out)."""
+        if not self._track:
+            return not self._outstanding
+        return len(self._in_flight) < self.config.max_concurrent_batches
+
     # ------------------------------------------------------------------ one iteration
 
     def schedule(self) -> SchedulerOutput:
+        """The next batch (possibly empty). Raises ``RuntimeError`` when ``max_concurrent_batches`` are out."""
+        if not self._track:
+            out = SchedulerOutput()
+            self.compose(out)
+            self._outstanding = 1
+            return out
+        if len(self._in_flight) >= self.config.max_concurrent_batches:
+            raise RuntimeError(f"{len(self._in_flight)} batches are in flight (max_concurrent_batches="
+                               f"{self.config.max_concurrent_batches}): update() the oldest first")
+        out = SchedulerOutput(batch_id=self._next_batch_id)
+        self._next_batch_id += 1
+        self.compose(out)
+        if not self._in_flight and self._stuck(out):
+            raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
+        reqs = self.requests
+        rows = [reqs[s.request_id] for s in out.scheduled]
+        for s, req in zip(out.scheduled, rows):
+            req.num_in_flight += 1
+            req.num_scheduled_tokens += s.num_new_tokens
+            req.num_pending_samples += s.sample
+        self._in_flight.append((out, rows))
+        return out
+
+    def compose(self, out: SchedulerOutput) -> None:
+        """The policy: fill ``out`` with this iteration's rows."""
         raise NotImplementedError
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
@@ -114,29 +190,45 @@ class Scheduler:
         sampled: the token id sampled for every scheduled request with ``sample=True``.
         Returns the requests that finished (``finish_reason`` is ``"stop"`` or ``"length"``); their blocks are
         free again. Requests aborted since ``schedule()`` are skipped. Raises ``ValueError``, having changed
-        nothing, if a token is missing, and ``RuntimeError`` if ``output`` is empty although requests wait and
-        none run (the policy can make no progress: a bug, reported instead of a driver looping forever).
+        nothing, if a token is missing or ``output`` is not the oldest batch in flight, and ``RuntimeError`` if
+        ``output`` is empty although requests wait and nothing runs or loads (the policy can make no progress: a
+        bug, reported instead of a driver looping forever; with several batches in flight ``schedule()`` raises
+        it, when no other batch is out).
         """
-        if not output.scheduled and self.waiting and not self.running:
-            raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
-        finished: list[Request] = []
-        max_len = self.config.max_model_len
         requests = self.requests
-        bm = self.block_manager
-        caching, bs = bm.enable_caching, bm.block_size
-        for s in output.scheduled:  # check before changing anything, so a bad call leaves the state as it was
+        rows: list[Request] | None = None
+        if self._track:
+            if not self._in_flight or self._in_flight[0][0] is not output:
+                raise ValueError(f"update() of batch {output.batch_id}, but the oldest batch in flight is "
+                                 f"{self._in_flight[0][0].batch_id if self._in_flight else None}: update in order")
+            rows = self._in_flight[0][1]
+        if rows is None:
+            if self._stuck(output):
+                raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
+            self._outstanding = 0
+        for i, s in enumerate(output.scheduled):  # check first, so a bad call leaves the state as it was
             if s.sample and sampled.get(s.request_id) is None:
                 req = requests.get(s.request_id)
-                if req is not None and req.status is RUNNING:
+                if req is not None and req.status is RUNNING and (rows is None or rows[i] is req):
                     raise ValueError(
                         f"no sampled token given for request {s.request_id!r}, which sampled this step")
-        for s in output.scheduled:
+        if rows is not None:
+            self._in_flight.popleft()
+            for s, req in zip(output.scheduled, rows):
+                req.num_in_flight -= 1
+                req.num_scheduled_tokens -= s.num_new_tokens
+                req.num_pending_samples -= s.sample
+        finished: list[Request] = []
+        max_len = self.config.max_model_len
+        kv = self.kv
+        caching, bs = kv.enable_caching, kv.block_size
+        for i, s in enumerate(output.scheduled):
             req = requests.get(s.request_id)
-            if req is None or req.status is not RUNNING:
+            if req is None or req.status is not RUNNING or (rows is not None and rows[i] is not req):
                 continue
             req.num_computed_tokens += s.num_new_tokens
             if caching and req.num_computed_tokens >= (req.num_committed_blocks + 1) * bs:
-                bm.commit(req)  # its newly filled blocks are shareable from the next schedule() on
+                kv.commit(req)  # its newly filled blocks are shareable from the next schedule() on
             if not s.sample:
                 continue
             token = sampled[s.request_id]
@@ -154,9 +246,40 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
         return finished
 
+    # ------------------------------------------------------------------ KV from elsewhere
+
+    def finish_kv_load(self, request_id: str, ok: bool = True) -> bool:
+        """The connector has written (``ok``) or failed to write the K/V of a ``KVLoad``: the request runs from the
+        end of the loaded tokens, or, after a failure, from its local prefix (recomputing the rest). Returns
+        whether the request still waited for it (``False``: it was aborted meanwhile; its blocks are released)."""
+        hold = self._load_holds.pop(request_id, None)
+        if hold is not None:
+            self.kv.release(hold)
+            return False
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request_id={request_id!r} is not waiting for a KV load")
+        num_tokens = self._loads.pop(request_id)
+        if ok:
+            req.num_computed_tokens += num_tokens
+            self.kv.commit(req)
+        req.status = RUNNING
+        self._insert(self.running, req)
+        return True
+
+    def take_kv_saves(self) -> list[KVSave]:
+        """The finished requests whose K/V the connector sends, since the last call; their blocks stay held until
+        ``finish_kv_send``."""
+        saves, self._saves = self._saves, []
+        return saves
+
+    def finish_kv_send(self, request_id: str) -> None:
+        """The receiver has the K/V of a ``KVSave``: release its blocks."""
+        self.kv.release(self._sends.pop(request_id))
+
     # ------------------------------------------------------------------ the token budget (chunk_size="auto")
 
-    def _prefill_budget(self, out: SchedulerOutput, prefills: list[Request]) -> int:
+    def prefill_budget(self, out: SchedulerOutput, prefills: list[Request]) -> int:
         """Prefill tokens this iteration may add to ``out`` (its decodes scheduled): ``chunk_size`` less those
         decodes, or with ``chunk_size="auto"`` what ``self.budget`` predicts fits the TBT SLO, for the prompts
         mid-prefill (``prefills``) and then the waiting ones that could be admitted."""
@@ -175,43 +298,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ building blocks for policies
 
-    def _finish(self, req: Request, reason: str) -> None:
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        del self.requests[req.request_id]
+    def has_seat(self) -> bool:
+        """Whether another request may hold KV blocks (``max_running``, requests loading KV included)."""
+        return len(self.running) + len(self.waiting_for_kv) < self.config.max_running
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Preempt by recompute: free all blocks; the request waits at its arrival place to redo its tokens."""
-        self.running.remove(req)
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
-        req.num_computed_tokens = req.num_committed_blocks = 0
-        req.num_prefill_tokens = req.num_tokens
-        req.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        waiting = self.waiting
-        waiting.insert(bisect.bisect_left(waiting, req.seq, key=_SEQ), req)
-        out.preempted_ids.append(req.request_id)
+    def is_long(self, req: Request) -> bool:
+        """Whether ``req``'s prefill is above ``long_threshold``."""
+        threshold = self.config.long_threshold
+        return threshold is not None and req.num_prefill_tokens > threshold
 
-    def _start_from_prefix(self, req: Request, num_prefix_blocks: int, out: SchedulerOutput) -> None:
-        """Prefix caching: an admitted request's first ``num_prefix_blocks`` blocks are cached, so its prefill
-        starts after them; count the hit for the request (first admission), the iteration and the pool."""
-        hit = num_prefix_blocks * self.block_manager.block_size
-        req.num_computed_tokens = hit
-        req.num_committed_blocks = num_prefix_blocks
-        if not req.num_preemptions:
-            req.num_cached_tokens = hit
-        out.num_cached_tokens += hit
-        self.block_manager.record_admission(req.num_prefill_tokens, hit)
+    def prefills_in_progress(self) -> list[Request]:
+        """Running requests mid-prefill and not in flight, in ``running`` order."""
+        return [r for r in self.running if r.num_computed_tokens < r.num_prefill_tokens and not r.num_in_flight]
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> list[Request]:
+    def schedule_decodes(self, out: SchedulerOutput) -> list[Request]:
         """Give every running decode its one token, preempting from the tail of ``running`` when the pool is
-        out of blocks. Returns the running requests that are mid-prefill, in arrival order (not scheduled)."""
+        out of blocks. Returns the running requests that are mid-prefill, in order (not scheduled). Requests in
+        flight are passed over, or, under ``async_scheduling``, continued (``_continuation``)."""
         running = self.running
-        bm = self.block_manager
+        kv = self.kv
         bs = self.config.block_size
+        track = self._track
         add_row = out.scheduled.append
         prefills: list[Request] = []
         num_decodes = 0
@@ -219,38 +326,68 @@ class Scheduler:
         while i < len(running):
             req = running[i]
             i += 1
-            computed = req.num_computed_tokens
-            if computed < req.num_prefill_tokens:
-                prefills.append(req)
-                continue
+            if req.num_in_flight:
+                computed = self._continuation(req)
+                if computed < 0:
+                    continue
+                token = PLACEHOLDER_TOKEN
+            else:
+                computed = req.num_computed_tokens
+                if computed < req.num_prefill_tokens:
+                    prefills.append(req)
+                    continue
+                token = req.output_token_ids[-1]
             blocks = req.block_ids
             if computed == len(blocks) * bs:
-                while not bm.num_free_blocks:
-                    self._preempt(running[-1], out)
-                    if req.status is not RUNNING:
+                while not kv.num_free_blocks:
+                    victim = self._victim(i - 1)
+                    if victim is None or victim is req:
                         break
-                if req.status is not RUNNING:
-                    break
-                blocks.append(bm.allocate_one())
-            add_row(ScheduledRequest(req.request_id, computed, 1, [req.output_token_ids[-1]], blocks, True, False))
+                    self.preempt(victim, out)
+                if not kv.num_free_blocks:
+                    if not req.num_in_flight:
+                        self.preempt(req, out)
+                        break
+                    continue  # in flight: it waits for the batch that holds it
+                kv.allocate_one(req)
+            add_row(ScheduledRequest(req.request_id, computed, 1, [token], blocks[:] if track else blocks, True,
+                                     False))
             num_decodes += 1
         out.num_decode_tokens += num_decodes
         out.num_decodes += num_decodes
         return prefills
 
-    def _prefill_cap(self, req: Request) -> int:
-        """Most tokens of ``req``'s prefill one chunk may take: ``long_prefill_token_threshold`` for a long prompt
-        without head-of-line protection (with it, long prompts are held to their share by the budget instead)."""
-        threshold = self.config.long_prefill_token_threshold
-        if threshold is None or self.config.protects_short_prompts or req.num_prefill_tokens <= threshold:
-            return req.num_prefill_tokens
-        return threshold
+    def _continuation(self, req: Request) -> int:
+        """Under ``async_scheduling``: where ``req``'s next decode starts if it may be scheduled although a row of
+        it is in flight (that row samples, and the token it samples cannot end ``req`` by length); else -1."""
+        if not self.config.async_scheduling or req.num_in_flight != 1 or req.num_pending_samples != 1:
+            return -1
+        outputs = len(req.output_token_ids) + 1
+        if outputs >= req.max_tokens or len(req.prompt_token_ids) + outputs >= self.config.max_model_len:
+            return -1
+        return req.num_computed_tokens + req.num_scheduled_tokens
 
-    def _is_long(self, req: Request) -> bool:
-        threshold = self.config.long_threshold
-        return threshold is not None and req.num_prefill_tokens > threshold
+    def _victim(self, lo: int) -> Request | None:
+        """The preemption victim for ``running[lo]``: the last running request at index ``lo`` or after that is
+        not in flight, or ``None``."""
+        running = self.running
+        for j in range(len(running) - 1, lo - 1, -1):
+            if not running[j].num_in_flight:
+                return running[j]
+        return None
 
-    def _schedule_prefill_chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+    def preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Preempt by recompute: free all blocks; the request waits at its place to redo its tokens."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = req.num_committed_blocks = 0
+        req.num_prefill_tokens = req.num_tokens
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self._insert(self.waiting, req)
+        out.preempted_ids.append(req.request_id)
+
+    def schedule_prefill_chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Schedule the next chunk of ``req``'s prefill within ``budget`` tokens; returns its length."""
         start = req.num_computed_tokens
         n = req.num_prefill_tokens - start
@@ -259,192 +396,141 @@ class Scheduler:
         end = start + n
         out.add(ScheduledRequest(
             req.request_id, start, n, req.token_ids(start, end),
-            req.block_ids[:self.block_manager.blocks_for(end)], end == req.num_tokens, True))
+            req.block_ids[:self.kv.blocks_for(end)], end == req.num_tokens, True))
         return n
 
-    def _schedule_partial_prefills(self, prefills: Iterable[Request], budget: int, out: SchedulerOutput) -> int:
-        """Continue prompts already mid-prefill, in arrival order, within ``budget``; returns tokens used."""
+    def schedule_partial_prefills(self, prefills: Iterable[Request], budget: int, out: SchedulerOutput) -> int:
+        """Continue prompts already mid-prefill, in order, within ``budget``; returns tokens used."""
         used = 0
         for req in prefills:
             if budget - used <= 0:
                 break
-            used += self._schedule_prefill_chunk(req, budget - used, out)
+            used += self.schedule_prefill_chunk(req, budget - used, out)
         return used
 
-    def _start(self, req: Request, prefix: list[int], num_blocks: int, budget: int, out: SchedulerOutput) -> int:
-        """Admit ``req`` (just taken off ``waiting``): give it the cached ``prefix`` blocks and ``num_blocks`` new
-        ones, make it running (in arrival order) and schedule its first chunk within ``budget``; returns the
-        chunk's length."""
-        bm = self.block_manager
-        req.block_ids = bm.allocate(num_blocks, prefix)
-        if bm.enable_caching:
-            self._start_from_prefix(req, len(prefix), out)
-        req.status = RUNNING
-        running = self.running
-        if not running or running[-1].seq < req.seq:
-            running.append(req)
-        else:
-            bisect.insort(running, req, key=_SEQ)
-        return self._schedule_prefill_chunk(req, budget, out)
-
-    def _admission_blocks(self, req: Request) -> tuple[list[int], int, bool]:
+    def admission_blocks(self, req: Request) -> tuple[list[int], int, bool]:
         """What admitting ``req`` takes from the pool: the cached prefix blocks it starts from (``[]`` without
         prefix caching), the new blocks its whole prefill needs beyond them, and whether the pool can give both
         now (keeping the watermark free while others run)."""
-        bm = self.block_manager
-        prefix = bm.match_prefix(req)
-        need = bm.blocks_for(req.num_prefill_tokens) - len(prefix)
-        return prefix, need, bm.can_allocate(need, self.config.watermark_blocks if self.running else 0, prefix)
+        kv = self.kv
+        prefix = kv.get_computed_blocks(req)
+        need = kv.num_new_blocks(req, req.num_prefill_tokens, prefix)
+        reserve = self.config.watermark_blocks if self.running else 0
+        return prefix, need, kv.can_allocate(need, reserve, prefix)
 
-    def _admit(self, budget: int, out: SchedulerOutput, num_partial: int = 0, num_long: int = 0) -> int:
-        """Admit waiting requests in arrival order while the budget, ``max_num_seqs``, the partial-prefill
-        limits and the block pool allow, and schedule their first chunk (their whole prompt for unchunked
-        policies). Blocks for the whole prefill are taken at admission. Returns tokens used."""
+    def start(self, req: Request, prefix: list[int], budget: int, out: SchedulerOutput) -> int:
+        """Admit ``req`` (just taken off ``waiting``): its block table (the cached ``prefix`` blocks, then new
+        ones for the whole prefill), and its first chunk within ``budget``; returns the chunk's length. A request
+        with external tokens the prefix does not cover waits for their K/V instead (``WAITING_FOR_REMOTE_KV``,
+        a ``KVLoad`` in ``out``; 0 tokens used)."""
+        kv = self.kv
+        hit = len(prefix) * kv.block_size
+        kv.allocate_slots(req, req.num_prefill_tokens - hit, computed_blocks=prefix)
+        if kv.enable_caching:
+            self._start_from_prefix(req, len(prefix), out)
+        external = req.num_external_tokens - hit
+        if external > 0 and not req.num_preemptions:
+            if self.connector is not None:
+                external = min(external, self.connector.get_num_new_matched_tokens(req, hit))
+            if external > 0:
+                first, last = len(prefix), kv.blocks_for(hit + external)
+                req.status = WAITING_FOR_REMOTE_KV
+                self.waiting_for_kv[req.request_id] = req
+                self._loads[req.request_id] = external
+                out.kv_loads.append(KVLoad(req.request_id, req.block_ids[first:last], hit, external))
+                return 0
+        req.status = RUNNING
+        self._insert(self.running, req)
+        return self.schedule_prefill_chunk(req, budget, out)
+
+    def admit(self, budget: int, out: SchedulerOutput, num_partial: int = 0, num_long: int = 0) -> int:
+        """Admit waiting requests in order while the budget, ``max_num_seqs``, the partial-prefill limits and the
+        block pool allow, and schedule their first chunk (their whole prompt for unchunked policies). Blocks for
+        the whole prefill are taken at admission. Returns tokens used."""
         cfg = self.config
-        bm = self.block_manager
+        bs = self.kv.block_size
         max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
         waiting = self.waiting
         held_back: list[Request] = []
         used = 0
-        max_seqs = cfg.max_running
-        while waiting and used < budget and len(self.running) < max_seqs:
+        while waiting and used < budget and self.has_seat():
             if self.chunked and num_partial >= max_partial:
                 break
             req = waiting[0]
-            is_long = self._is_long(req)
+            is_long = self.is_long(req)
             if is_long and num_long >= cfg.max_long_partial_prefills:
                 held_back.append(waiting.popleft())
                 continue
-            prefix, need, fits = self._admission_blocks(req)
-            if not self.chunked and req.num_prefill_tokens - len(prefix) * bm.block_size > budget - used:
+            prefix, need, fits = self.admission_blocks(req)
+            if not self.chunked and req.num_prefill_tokens - len(prefix) * bs > budget - used:
                 break
             if not fits:
                 break
             waiting.popleft()
-            used += self._start(req, prefix, need, budget - used, out)
+            used += self.start(req, prefix, budget - used, out)
             num_partial += 1
             num_long += is_long
         waiting.extendleft(reversed(held_back))
         return used
 
-    def _schedule_prefills(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
-        """Continue the prompts mid-prefill (``prefills``, in arrival order) and admit waiting ones within
-        ``budget`` tokens: first come, first served (the paper's policy), or, with head-of-line protection and a
-        short prompt to protect from a long one, short prompts first (``_schedule_prefills_protected``).
-        Returns tokens used."""
-        protected = self.config.protects_short_prompts
-        if protected and self._protection_needed(prefills):
-            return self._schedule_prefills_protected(prefills, budget, out)
-        used = self._schedule_partial_prefills(prefills, budget, out)
+    def schedule_prefills(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
+        """Continue the prompts mid-prefill (``prefills``, in order) and admit waiting ones within ``budget``
+        tokens: first come, first served (the paper's policy), or, with head-of-line protection and a short prompt
+        to protect from a long one, short prompts first (``ShortPromptProtection``). Returns tokens used."""
+        protection = self.protection
+        if protection is not None and protection.needed(prefills):
+            return protection.schedule(prefills, budget, out)
+        used = self.schedule_partial_prefills(prefills, budget, out)
         if budget - used > 0:
             # Protected but with nobody to protect: plain FCFS. Admission happens only once every prompt
             # mid-prefill has finished in this iteration, so no long prompt holds a long slot any more.
-            used += self._admit(budget - used, out, num_partial=len(prefills),
-                                num_long=0 if protected else sum(map(self._is_long, prefills)))
+            used += self.admit(budget - used, out, num_partial=len(prefills),
+                               num_long=0 if protection is not None else sum(map(self.is_long, prefills)))
         return used
 
-    def _protection_needed(self, prefills: list[Request]) -> bool:
-        """Whether head-of-line protection has anything to do this iteration: a long prompt (mid-prefill or
-        waiting) beside a short one, or beside one long only by ``long_prefill_token_threshold`` whose whole
-        prefill fits an iteration (mid-prefill or waiting); or any long prompt at all when ``long_prefill_chunk``
-        caps long prompts. Otherwise the iteration is scheduled first come, first served, exactly as without
-        protection."""
-        is_long, budget = self._is_long, self.config.token_budget
-        capped = self.config.long_prefill_chunk is not None
-        seen_long = seen_small = False
-        for req in chain(prefills, self.waiting):
-            long = is_long(req)
-            small = not long or req.num_prefill_tokens <= budget
-            if long and (capped or seen_small) or small and seen_long:
-                return True
-            seen_long |= long
-            seen_small |= small
-        return False
+    # ------------------------------------------------------------------ internals
 
-    def _schedule_prefills_protected(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
-        """Head-of-line protection (``SchedulerConfig.hol_protection``): short prompts first, long ones after.
-        Runs only in iterations with a short prompt to protect (``_protection_needed``).
+    def _insert(self, queue: deque[Request] | list[Request], req: Request) -> None:
+        """Put ``req`` into ``queue`` (``waiting`` or ``running``) at its ``order_key`` place."""
+        key = self.order_key
+        if not queue or key(queue[-1]) < key(req):
+            queue.append(req)
+        else:
+            queue.insert(bisect.bisect_left(queue, key(req), key=key), req)
 
-        1. Keep a share of ``budget`` for the long prompts mid-prefill: ``min(long_chunk, budget // 2, what
-           they still need)``, so they progress every iteration; at least half is always the short prompts'.
-        2. Short prompts mid-prefill, then waiting short prompts in arrival order (passing waiting long ones)
-           fill the rest, then waiting long prompts whose whole prefill fits what is left (they finish their
-           prefill in this iteration, so they never hold a long slot). Together they hold every partial-prefill
-           slot the long prompts do not (at least one).
-        3. Long prompts mid-prefill, then waiting long ones (at most ``max(max_num_partial_prefills - 1, 1)``
-           and ``max_long_partial_prefills`` left mid-prefill at once) take everything the short prompts left:
-           the share is given back the moment no short prompt needs it, so the budget is filled as without
-           protection. Only an explicit ``long_prefill_chunk`` caps them, in an iteration shared with decodes or
-           short prompts, at that many tokens (a TBT cap for long-context attention).
+    def _stuck(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` is empty although requests wait and nothing runs or loads (no batch in flight)."""
+        return not out.scheduled and not out.kv_loads and bool(self.waiting) and not self.running \
+            and not self.waiting_for_kv
 
-        So the oldest waiting short prompt is admitted in this iteration whenever no other short prompt is
-        mid-prefill and a seat and KV blocks are free for it: nothing a long prompt holds keeps it out
-        (``HOL_ADMISSION_BOUND``). Returns tokens used."""
-        cfg = self.config
-        is_long = self._is_long
-        longs = [r for r in prefills if is_long(r)]
-        shorts = [r for r in prefills if not is_long(r)]
-        max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
-        share = 0
-        if longs:
-            share = min(cfg.long_chunk, budget // 2,
-                        sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
-        short_budget = budget - share
-        used = self._schedule_partial_prefills(shorts, short_budget, out)
-        short_slots = max(max_partial - len(longs), 1)
-        used, slots, short_left = self._admit_lane(short_budget, used, short_slots - len(shorts), out, long=False)
-        used, slots, _ = self._admit_lane(short_budget, used, slots, out, long=True, whole=True)
-        cap = cfg.long_prefill_chunk
-        lane = budget - used if cap is None or out.is_empty else min(budget - used, cap)
-        lane_used = self._schedule_partial_prefills(longs, lane, out)
-        if not short_left:  # a long prompt never takes a seat or blocks from a short one left waiting
-            # Long prompts still mid-prefill after this iteration: none once the lane has room left (each got
-            # all it needed), so one finishing now frees its long slot for the next in the same iteration (but
-            # still counts against max_num_partial_prefills, a limit on the prompts of one batch).
-            held = len(longs) if lane_used >= lane else 0
-            long_slots = min(cfg.max_long_partial_prefills - held, max(max_partial - 1, 1) - held,
-                             max_partial - len(longs) - (short_slots - slots))
-            lane_used, _, _ = self._admit_lane(lane, lane_used, long_slots, out, long=True)
-        return used + lane_used
+    def _finish(self, req: Request, reason: str) -> None:
+        if reason != "abort" and self.connector is not None and self.connector.request_finished(req):
+            self._sends[req.request_id] = self.kv.hold(req.block_ids)
+            self._saves.append(KVSave(req.request_id, list(req.block_ids), req.num_computed_tokens,
+                                      req.token_ids(0, req.num_computed_tokens)))
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
 
-    def _admit_lane(self, budget: int, used: int, slots: int, out: SchedulerOutput, *, long: bool,
-                    whole: bool = False) -> tuple[int, int, bool]:
-        """Admit waiting prompts of one class (long or short) in arrival order, passing over the other class,
-        while ``used`` (tokens) stays below ``budget`` and ``slots`` partial-prefill slots and the seats allow,
-        and schedule their first chunk. whole: admit only long prompts whose whole prefill fits the budget left,
-        passing over one the pool cannot take (a later, shorter one may fit). Returns ``used`` and ``slots``
-        updated, and whether a prompt of the class was left waiting for want of budget, a slot, a seat or
-        blocks."""
-        cfg = self.config
-        bm = self.block_manager
-        is_long = self._is_long
-        waiting = self.waiting
-        max_seqs = cfg.max_running
-        admitted: list[Request] = []
-        left = False
-        for req in waiting:
-            if len(self.running) >= max_seqs:  # no seat for anyone: stop scanning
-                left = True
-                break
-            if is_long(req) is not long:
-                continue
-            if used >= budget or slots <= 0:
-                left = True
-                break
-            prefix, need, fits = self._admission_blocks(req)
-            if whole and req.num_prefill_tokens - len(prefix) * bm.block_size > budget - used:
-                continue
-            if not fits:
-                if whole:
-                    continue
-                left = True
-                break
-            admitted.append(req)
-            used += self._start(req, prefix, need, budget - used, out)
-            slots -= 1
-        for req in admitted:
-            waiting.remove(req)
-        return used, slots, left
+    def _start_from_prefix(self, req: Request, num_prefix_blocks: int, out: SchedulerOutput) -> None:
+        """Prefix caching: an admitted request's first ``num_prefix_blocks`` blocks are cached, so its prefill
+        starts after them; count the hit for the request (first admission), the iteration and the pool."""
+        hit = num_prefix_blocks * self.kv.block_size
+        req.num_computed_tokens = hit
+        req.num_committed_blocks = num_prefix_blocks
+        if not req.num_preemptions:
+            req.num_cached_tokens = hit
+        out.num_cached_tokens += hit
+        self.block_manager.record_admission(req.num_prefill_tokens, hit)
+
+    def _prefill_cap(self, req: Request) -> int:
+        """Most tokens of ``req``'s prefill one chunk may take: ``long_prefill_token_threshold`` for a long prompt
+        without head-of-line protection (with it, long prompts are held to their share by the budget instead)."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is None or self.config.protects_short_prompts or req.num_prefill_tokens <= threshold:
+            return req.num_prefill_tokens
+        return threshold
 
 
 def _token_budget(config: SchedulerConfig, predictor: StepTimePredictor | None) -> TokenBudget | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-POLICIES = ("sarathi", "vllm", "orca", "request_level", "simple_chunking")
-CHUNKED_POLICIES = ("sarathi", "simple_chunking")
+from .registry import chunked_policy_names, is_chunked, policy_class
+
 # With hol_protection, iterations a short prompt waits (counting the one that admits it) once it is the oldest waiting
 # short prompt, no other short prompt is mid-prefill and a seat and KV blocks are free for it, whatever long prompts
 # hold: it is admitted in the very next iteration (simple_chunking: its next prefill iteration, so within 2).
@@ -23,8 +23,9 @@ class SchedulerConfig:
 
     All sizes are in tokens unless named otherwise.
 
-    policy: one of ``POLICIES``. ``sarathi`` (stall-free hybrid batches) is the default; the others are the
-        baselines of the Sarathi-Serve paper (see ``sarathi_lite.scheduler.policies``).
+    policy: a registered policy (``POLICIES``; ``registry.register_policy`` adds one). ``sarathi`` (stall-free
+        hybrid batches) is the default; the others are the baselines of the Sarathi-Serve paper (see
+        ``sarathi_lite.scheduler.policies``).
     chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``),
         or ``"auto"``: each iteration's prefill budget chosen by a step-time predictor so the predicted step
         takes at most ``tbt_slo * budget_safety`` seconds (``sarathi_lite.scheduler.budget``), with at most
@@ -75,6 +76,15 @@ class SchedulerConfig:
     budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take, in (0, 1].
     min_chunk_size: with ``chunk_size="auto"``: prefill tokens granted every iteration a prompt waits, even
         when the predicted step then exceeds the target (rounded up to whole blocks), so prefill never starves.
+    max_concurrent_batches: most batches ``schedule()`` may hand out before the oldest is ``update()``d (pipeline
+        stages, or async scheduling). A request is in at most one of them: its next prompt chunk or decode waits
+        for the previous one (Sarathi-Serve's pipeline rule), except under ``async_scheduling``. 1 (the default)
+        is strict alternation of ``schedule()`` and ``update()``.
+    async_scheduling: let a request whose in-flight row samples a token be scheduled for its next decode before
+        that token is known (the row's input is ``PLACEHOLDER_TOKEN``, which the executor replaces with the token
+        the previous batch sampled), as vLLM's async scheduling does; never when that token could end it by
+        length. Raises ``max_concurrent_batches`` from 1 to 2. A request that stops on the earlier token wastes
+        that one row.
     """
 
     policy: str = "sarathi"
@@ -94,14 +104,15 @@ class SchedulerConfig:
     tbt_slo: float | None = None
     budget_safety: float = 0.9
     min_chunk_size: int = 32
+    max_concurrent_batches: int = 1
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
+        policy_class(self.policy)  # raises ValueError naming the registered policies
         if self.chunk_size != "auto":
             _check_positive_int("chunk_size", self.chunk_size)
         for name in ("max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills",
-                     "min_chunk_size"):
+                     "min_chunk_size", "max_concurrent_batches"):
             _check_positive_int(name, getattr(self, name))
         for name in ("max_num_batched_tokens", "num_blocks", "max_num_partial_prefills",
                      "long_prefill_token_threshold", "long_prefill_chunk"):
@@ -111,6 +122,10 @@ class SchedulerConfig:
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if not isinstance(self.hol_protection, bool):
             raise ValueError(f"hol_protection={self.hol_protection!r} must be True or False")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True or False")
+        if self.async_scheduling and self.max_concurrent_batches == 1:
+            self.max_concurrent_batches = 2  # the batch running and the next
         self._check_auto_budget()
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
@@ -118,7 +133,7 @@ class SchedulerConfig:
             self.max_num_batched_tokens = max(self.max_model_len, 2048)
         if self.num_blocks is None:
             self.num_blocks = self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-        if self.policy not in CHUNKED_POLICIES and self.max_num_batched_tokens < self.max_model_len:
+        if not is_chunked(self.policy) and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
                 f"max_model_len={self.max_model_len}: policy {self.policy!r} does not chunk prompts, so a "
@@ -129,7 +144,7 @@ class SchedulerConfig:
     def token_budget(self) -> int:
         """Tokens one iteration may hold: ``chunk_size`` for chunked policies (``max_num_batched_tokens`` when it is
         ``"auto"``), else ``max_num_batched_tokens``."""
-        if self.policy in CHUNKED_POLICIES and not self.auto_budget:
+        if is_chunked(self.policy) and not self.auto_budget:
             return self.chunk_size
         return self.max_num_batched_tokens
 
@@ -146,7 +161,7 @@ class SchedulerConfig:
     @property
     def protects_short_prompts(self) -> bool:
         """Whether head-of-line protection applies: ``hol_protection`` under a chunked policy."""
-        return self.hol_protection and self.policy in CHUNKED_POLICIES
+        return self.hol_protection and is_chunked(self.policy)
 
     @property
     def long_threshold(self) -> int | None:
@@ -177,8 +192,8 @@ class SchedulerConfig:
     def _check_auto_budget(self) -> None:
         if not self.auto_budget:
             return
-        if self.policy not in CHUNKED_POLICIES:
-            raise ValueError(f"chunk_size='auto' needs a chunked policy ({', '.join(CHUNKED_POLICIES)}), "
+        if not is_chunked(self.policy):
+            raise ValueError(f"chunk_size='auto' needs a chunked policy ({', '.join(chunked_policy_names())}), "
                              f"not {self.policy!r}")
         slo = self.tbt_slo
         if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not math.isfinite(slo) or slo <= 0:

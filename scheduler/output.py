@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .kv_transfer import KVLoad
+
+PLACEHOLDER_TOKEN = -1
+"""A decode row's input token under async scheduling: the token the previous batch samples for the request, which
+the executor puts in before running the row (``SchedulerConfig.async_scheduling``)."""
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -12,9 +18,11 @@ class ScheduledRequest:
     request_id: the request.
     num_computed_tokens: tokens whose K/V are already cached (the context before this step).
     num_new_tokens: the query length of this step.
-    token_ids: the ``num_new_tokens`` token ids to run (positions ``num_computed_tokens ..``).
+    token_ids: the ``num_new_tokens`` token ids to run (positions ``num_computed_tokens ..``); ``[PLACEHOLDER_TOKEN]``
+        for a decode scheduled before its input token was sampled (async scheduling).
     block_table: KV block ids covering exactly ``num_computed_tokens + num_new_tokens`` token slots.
-        Read-only: for a decode it is the request's live table, valid until the next ``schedule()``.
+        Read-only: for a decode it is the request's live table, valid until the next ``schedule()`` (a copy when
+        several batches may be in flight).
     sample: whether this step ends the request's known tokens, so a token is sampled for it.
     is_prefill: whether these tokens are prefill (prompt, or recompute after preemption) rather than a decode.
     """
@@ -33,7 +41,8 @@ class SchedulerOutput:
     """All that one iteration runs, in batch order, and who was preempted to make room.
 
     ``num_cached_tokens``: prefill tokens that requests admitted in this iteration found in the prefix cache
-    (their rows start after them).
+    (their rows start after them). ``kv_loads``: K/V a connector must write before the requests named can run
+    (``kv_transfer``). ``batch_id``: the batch's number when several may be in flight (else 0).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -43,6 +52,8 @@ class SchedulerOutput:
     num_prefills: int = 0
     num_decodes: int = 0
     num_cached_tokens: int = 0
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    batch_id: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

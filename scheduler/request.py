@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not holding KV blocks: new, or preempted and waiting to recompute
     RUNNING = "running"  # holding KV blocks, scheduled every iteration the policy allows
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # holding KV blocks a connector is filling (kv_transfer)
     FINISHED = "finished"
 
 
@@ -25,6 +26,11 @@ class Request:
     cache (not computed by it); ``block_hashes`` holds the content keys of its full blocks so far (see
     ``block_manager.block_key``); ``num_committed_blocks`` how many of its blocks the cache has seen since it
     last took blocks.
+
+    KV from elsewhere: ``num_external_tokens`` prompt tokens whose K/V a connector supplies (see ``kv_transfer``).
+    Batches in flight (``SchedulerConfig.max_concurrent_batches`` > 1): ``num_in_flight`` batches scheduled and not
+    yet updated hold a row of the request, with ``num_scheduled_tokens`` tokens not yet computed, of which
+    ``num_pending_samples`` rows sample a token.
     """
 
     request_id: str
@@ -43,6 +49,10 @@ class Request:
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_committed_blocks: int = 0
+    num_external_tokens: int = 0
+    num_in_flight: int = 0
+    num_scheduled_tokens: int = 0
+    num_pending_samples: int = 0
 
     @property
     def num_tokens(self) -> int:

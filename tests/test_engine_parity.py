@@ -103,3 +103,20 @@ def test_hol_protection_changes_the_batches_not_the_outputs(tiny_checkpoints, hf
         check_run(engine, hf_reference("llama"), seed=11)
         batches[protection] = [it.batch for it in engine.stats().iterations]
     assert batches[True] != batches[False], "protection did not change the batching"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_matches_hf_with_batches_in_flight_and_preemption(tiny_checkpoints, hf_reference, policy,
+                                                                 async_scheduling):
+    # Two batches in flight on the forward thread (the strict pipeline rule, or async scheduling's decode
+    # continuation with its input token filled in from the batch before), in a pool small enough to preempt.
+    engine = LLMEngine(tiny_checkpoints["llama"], scheduler=policy, chunk_size=32, block_size=4,
+                       num_kv_blocks=192 // 4, device="cpu", attention_backend="torch", max_concurrent_batches=2,
+                       async_scheduling=async_scheduling)
+    try:
+        check_run(engine, hf_reference("llama"), seed=11, max_prompt=120, max_output=40)
+        assert sum(r.num_preemptions for r in engine.stats().requests) > 0, "the pool did not force a preemption"
+        assert engine.scheduler.num_in_flight == 0
+    finally:
+        engine.shutdown()

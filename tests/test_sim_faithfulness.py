@@ -58,9 +58,9 @@ def virtual_time(clock: VirtualClock) -> Iterator[None]:
     """The model runner's measured wall time and the replay's sleeps advance ``clock``, nothing else does."""
     execute = ModelRunner.execute
 
-    def timed(self, out, params):
+    def timed(self, out, params, **kwargs):
         t0 = time.perf_counter()
-        result = execute(self, out, params)
+        result = execute(self, out, params, **kwargs)
         clock.now += time.perf_counter() - t0
         return result
 

@@ -59,7 +59,7 @@ class EngineConfig:
         "max_num_partial_prefills", "most prompts mid-prefill at once (default: no limit beyond max_num_seqs)")
     long_prefill_token_threshold: int | None = _scheduler_option(
         "long_prefill_token_threshold", "prompts with more prefill tokens than this are long (default: with "
-        "hol_protection, chunk_size; without, no prompt is long, and a long prompt's chunk is capped at it)")
+        "hol_protection, 4 x chunk_size; without, no prompt is long, and a long prompt's chunk is capped at it)")
     max_long_partial_prefills: int = _scheduler_option(
         "max_long_partial_prefills", "most long prompts mid-prefill at once")
     enable_prefix_caching: bool = _scheduler_option(
@@ -81,6 +81,12 @@ class EngineConfig:
     min_chunk_size: int = _scheduler_option(
         "min_chunk_size", "with chunk_size auto: prefill tokens granted every iteration a prompt waits, even past "
         "tbt_slo (so prompts never starve)")
+    max_concurrent_batches: int = _scheduler_option(
+        "max_concurrent_batches", "most batches in flight at once (pipeline stages, async scheduling); a request is "
+        "in at most one of them")
+    async_scheduling: bool = _scheduler_option(
+        "async_scheduling", "overlap the CPU's scheduling of step N+1 and the processing of step N-1's outputs with "
+        "step N's forward pass (a decode is scheduled before its input token is sampled)")
     cost_model: Any = field(default=None, metadata={
         "type": str, "sim": True,
         "help": "with chunk_size auto: the step-time model, a profile JSON (sarathi-lite profile) or "

@@ -2,49 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.detokenizer import IncrementalDetokenizer
+from sarathi_lite.engine.kv_connector import KVConnector
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
+from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
-from sarathi_lite.metrics import MetricsRecorder, RequestMetrics, Stats
+from sarathi_lite.metrics import MetricsRecorder, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.models.loader import load_model
-from sarathi_lite.scheduler import Request, SchedulerOutput, make_scheduler
+from sarathi_lite.scheduler import PLACEHOLDER_TOKEN, Request, SchedulerOutput, make_scheduler
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
-
-
-@dataclass(slots=True)
-class _Entry:
-    """The engine's side of a request: what the scheduler does not need."""
-
-    request: Request
-    prompt: str | None
-    params: SamplingParams
-    metrics: RequestMetrics
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[Any] | None = field(default=None)
-    # EOS and stop tokens the sampler must not pick while fewer than ``min_tokens`` tokens are out
-    banned: tuple[int, ...] = ()
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -64,7 +53,9 @@ class LLMEngine:
 
     ``LLMEngine(model, **options)`` takes every ``EngineConfig`` field as a keyword (``scheduler=`` names the
     policy), or ``LLMEngine(config=EngineConfig(...))``; see ``EngineConfig`` for each option and its default.
-    clock: the time source for metrics (seconds). ``LLMEngine.from_model(engine, ...)``: another engine on the
+    clock: the time source for metrics (seconds). kv_connector: moves prompt K/V between engines (disaggregated
+    prefill/decode; ``sarathi_lite.engine.kv_connector``): it saves every finished request's K/V, and a request
+    added with ``num_external_tokens`` loads them. ``LLMEngine.from_model(engine, ...)``: another engine on the
     same loaded weights.
     With ``tensor_parallel_size`` N > 1 the engine starts N - 1 worker processes (``sarathi_lite.engine.worker``);
     ``shutdown()`` (or dropping the engine) stops them. Scripts that spawn workers need the usual
@@ -72,7 +63,8 @@ class LLMEngine:
     """
 
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
-                 clock: Callable[[], float] = time.perf_counter, **options: Any) -> None:
+                 clock: Callable[[], float] = time.perf_counter, kv_connector: KVConnector | None = None,
+                 **options: Any) -> None:
         config = _engine_config(model, config, options)
         t0 = time.perf_counter()
         path = resolve_model(config.model)
@@ -90,14 +82,15 @@ class LLMEngine:
         try:
             tp = None if self.workers is None else self.workers.tp
             model = load_model(path, dtype, device, config.load_format, tp)
-            self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0)
+            self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0, kv_connector)
         except BaseException:
             self.shutdown()
             raise
 
     @classmethod
     def from_model(cls, source: LLMEngine, *, config: EngineConfig | None = None,
-                   clock: Callable[[], float] = time.perf_counter, **options: Any) -> LLMEngine:
+                   clock: Callable[[], float] = time.perf_counter, kv_connector: KVConnector | None = None,
+                   **options: Any) -> LLMEngine:
         """A new engine on ``source``'s loaded weights and tokenizer (not loaded again), with its own scheduler,
         KV cache and records: e.g. to sweep scheduler settings over one model. config, options: as for
         ``LLMEngine``; ``model``, ``dtype`` and ``device`` default to ``source``'s, and raise ``ValueError`` if
@@ -118,12 +111,12 @@ class LLMEngine:
         engine = cls.__new__(cls)
         engine.workers, engine._finalizer = None, None
         engine._start(config, path, device, dtype, source.model, runner_view(source.model), source.tokenizer,
-                      clock, t0)
+                      clock, t0, kv_connector)
         return engine
 
     def _start(self, config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
                model: LlamaForCausalLM, runner_model: LlamaForCausalLM, tokenizer: Any, clock: Callable[[], float],
-               t0: float) -> None:
+               t0: float, kv_connector: KVConnector | None = None) -> None:
         """Everything but loading: the KV pool, the scheduler, the model runner (on ``runner_model``: ``model``
         itself, or a ``runner_view`` of shared weights), the records."""
         self.config = config
@@ -136,14 +129,26 @@ class LLMEngine:
             pool = self.workers.agree_pool(config, pool, self.model_config.max_position_embeddings)
         max_model_len = pool.max_model_len
         self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
-        self.scheduler = make_scheduler(self.scheduler_config, _predictor(config))
+        if kv_connector is not None and self.workers is not None:
+            raise ValueError("kv_connector: not with tensor_parallel_size > 1 (each rank holds a shard of the KV)")
+        self.kv_connector = kv_connector
+        self.scheduler = make_scheduler(self.scheduler_config, _predictor(config), kv_connector)
         self.runner = ModelRunner(runner_model, block_size=pool.block_size, num_blocks=pool.num_blocks,
                                   device=self.device, dtype=self.dtype, attention_backend=config.attention_backend)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
         self.metrics = MetricsRecorder(record_batches=config.record_batches, window=config.stats_window)
-        self._entries: dict[str, _Entry] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        # The batch queue: batches scheduled and submitted, oldest first, with their submission future (None when
+        # they run inline), start and end-of-schedule times. Batches run in order on one executor thread.
+        self._depth = self.scheduler_config.max_concurrent_batches
+        self._queue: deque[tuple[SchedulerOutput, Future[tuple[StepResult, list[tuple[str, bool]]]] | None,
+                                 float, float]] = deque()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sarathi-lite-forward") if self._depth > 1 \
+            else None
+        self._recent_tokens: deque[dict[str, int]] = deque(maxlen=self._depth)  # executor thread only
+        self._to_release: list[str] = []  # finished requests whose runner state goes with the next batch
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
@@ -151,38 +156,40 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, num_external_tokens: int = 0) -> None:
         """Queue a request. ``prompt`` is text (tokenized here) or token ids. ``arrival_time`` (on the engine's
-        clock) defaults to now. Raises ``ValueError`` for bad input; the engine is unchanged then."""
+        clock) defaults to now. ``num_external_tokens``: its first prompt tokens whose K/V the engine's KV
+        connector supplies (their prefill is skipped; see ``sarathi_lite.engine.kv_connector``). Raises
+        ``ValueError`` for bad input; the engine is unchanged then."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if num_external_tokens and self.kv_connector is None:
+            raise ValueError(f"request {request_id!r}: num_external_tokens={num_external_tokens!r} needs an engine "
+                             f"with a KV connector")
         text, token_ids = self._tokenize(request_id, prompt)
         stop = frozenset(params.stop_token_ids) if params.ignore_eos else \
             frozenset(params.stop_token_ids) | self.eos_token_ids
         arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params.max_tokens, stop, arrival)
-        self.scheduler.add(request)
-        self._entries[request_id] = _Entry(
-            request, text, params, self.metrics.add(request_id, arrival, len(token_ids)),
-            IncrementalDetokenizer(self.tokenizer, request.output_token_ids, params),
-            [] if params.logprobs is not None else None, tuple(sorted(stop)) if params.min_tokens else ())
+        self.scheduler.add(request, num_external_tokens)
+        self.outputs.add(request, text, params, self.metrics.add(request_id, arrival, len(token_ids)))
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
         ``"abort"``). Raises ``ValueError`` for an unknown id."""
         self.scheduler.abort(request_id)
         self.metrics.finish(request_id, self.clock(), "abort")
-        entry = self._entries[request_id]
+        state = self.outputs.remove(request_id)
         self._release(request_id)
-        return self._output(entry, [], "")
+        return self.outputs.output(state, [], "")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (e.g. between benchmark runs); returns the blocks dropped."""
         return self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._queue)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
@@ -191,51 +198,94 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, ONE forward pass over the hybrid batch, then update. Returns an output for
-        every request that got a token (finished ones have ``finish_reason`` set)."""
-        start = self.clock()
-        out = self.scheduler.schedule()
-        scheduled = self.clock()
-        result = self._run(out)
-        return self._postprocess(out, result, start, scheduled)
+        every request that got a token (finished ones have ``finish_reason`` set).
 
-    def _run(self, out: SchedulerOutput) -> StepResult:
+        With ``max_concurrent_batches`` > 1 (async scheduling) it first schedules and submits batches while the
+        queue has room (they run in order on a forward thread), then waits for the oldest and processes it: the
+        CPU work of scheduling the next batch and processing this one overlaps the running forward pass."""
+        if self._executor is None:
+            start = self.clock()
+            out = self.scheduler.schedule()
+            scheduled = self.clock()
+            return self._postprocess(out, self._execute(out, *self._sampling(out)), start, scheduled)
+        while len(self._queue) < self._depth and self.scheduler.can_schedule() and self.scheduler.has_unfinished():
+            start = self.clock()
+            out = self.scheduler.schedule()
+            scheduled = self.clock()
+            release, self._to_release = self._to_release, []
+            future = self._executor.submit(self._execute, out, *self._sampling(out), release)
+            self._queue.append((out, future, start, scheduled))
+            if out.is_empty:  # nothing else can run until a batch in flight returns
+                break
+        if not self._queue:
+            return []
+        out, future, start, scheduled = self._queue.popleft()
+        return self._postprocess(out, future.result(), start, scheduled)
+
+    def _sampling(self, out: SchedulerOutput) -> tuple[dict[str, SamplingParams], dict[str, tuple[int, ...]]]:
+        return self.outputs.sampling([s.request_id for s in out.scheduled if s.sample])
+
+    def _execute(self, out: SchedulerOutput, params: dict[str, SamplingParams], banned: dict[str, tuple[int, ...]],
+                 release: Sequence[str] = ()) -> tuple[StepResult, list[tuple[str, bool]]]:
+        """Run one batch: its KV loads, then its forward pass and sampling (on the forward thread when batches are
+        in flight). ``release``: finished requests whose runner state can go now. Returns the step's result and
+        each KV load's ``(request id, ok)``."""
+        for rid in release:
+            self.runner.release(rid)
+        loads = [(load.request_id, self.kv_connector.load(load, self.runner)) for load in out.kv_loads] \
+            if out.kv_loads else []
         if out.is_empty:
-            return StepResult({}, {})
-        entries = self._entries
-        sampling = [entries[s.request_id] for s in out.scheduled if s.sample]
-        banned = {e.request.request_id: e.banned for e in sampling
-                  if e.banned and len(e.request.output_token_ids) < e.params.min_tokens}
-        params = {e.request.request_id: e.params for e in sampling}
+            return StepResult({}, {}), loads
+        if self._executor is not None:
+            out = self._resolve_placeholders(out)
         if self.workers is not None:
-            return self.workers.execute(self.runner, out, params, banned)
-        # banned only when a request needs it, so code that wraps execute(out, params) to time it keeps working
-        return self.runner.execute(out, params, banned=banned) if banned else self.runner.execute(out, params)
+            result = self.workers.execute(self.runner, out, params, banned)
+        else:
+            result = self.runner.execute(out, params, banned=banned)
+        if self._executor is not None:
+            self._recent_tokens.append(result.tokens)
+        return result, loads
 
-    def _postprocess(self, out: SchedulerOutput, result: StepResult, start: float, scheduled: float
-                     ) -> list[RequestOutput]:
+    def _resolve_placeholders(self, out: SchedulerOutput) -> SchedulerOutput:
+        """``out`` with each ``PLACEHOLDER_TOKEN`` input replaced by the token a batch before it sampled for that
+        request (async scheduling; the scheduler's own record is left as it is)."""
+        rows = out.scheduled
+        if not any(s.token_ids[0] == PLACEHOLDER_TOKEN for s in rows if not s.is_prefill):
+            return out
+        recent = self._recent_tokens
+
+        def sampled(rid: str) -> int:
+            for tokens in reversed(recent):
+                if rid in tokens:
+                    return tokens[rid]
+            raise RuntimeError(f"async scheduling: no sampled token for request {rid!r}'s next decode")
+
+        return dataclasses.replace(out, scheduled=[
+            dataclasses.replace(s, token_ids=[sampled(s.request_id)])
+            if not s.is_prefill and s.token_ids[0] == PLACEHOLDER_TOKEN else s for s in rows])
+
+    def _postprocess(self, out: SchedulerOutput, run: tuple[StepResult, list[tuple[str, bool]]], start: float,
+                     scheduled: float) -> list[RequestOutput]:
+        result, loads = run
+        for rid, ok in loads:
+            if not ok:
+                logger.warning("request %r: the KV connector could not supply its prompt's K/V; recomputing it", rid)
+            self.scheduler.finish_kv_load(rid, ok)
         finished = self.scheduler.update(out, result.tokens)
         end = self.clock()
+        if self.kv_connector is not None:
+            for save in self.scheduler.take_kv_saves():
+                self.kv_connector.save(save, self.runner)
+                self.scheduler.finish_kv_send(save.request_id)
         if out.is_empty:
             return []
         self.metrics.record_step(out, start, scheduled, end, finished, prepare_time=result.prepare_time,
                                  forward_time=result.forward_time, sample_time=result.sample_time)
         self.scheduler.observe(out, end - start)
-        outputs = []
-        for rid, token in result.tokens.items():
-            entry = self._entries.get(rid)
-            if entry is None:
-                continue
-            new_logprobs = None
-            if entry.logprobs is not None:
-                new_logprobs = [result.logprobs.get(rid)]
-                entry.logprobs.append(new_logprobs[0])
-            req = entry.request
-            text = entry.detokenizer.update(req.finish_reason is not None)
-            if entry.detokenizer.stop_reason is not None and req.finish_reason is None:
-                self._stop_on_string(req, end)
-            outputs.append(self._output(entry, [token], text, new_logprobs))
-            if req.finish_reason is not None:
-                self._release(rid)
+        outputs = self.outputs.process(result.tokens, result.logprobs, lambda req: self._stop_on_string(req, end))
+        for o in outputs:
+            if o.finish_reason is not None:
+                self._release(o.request_id)
         return outputs
 
     def _stop_on_string(self, req: Request, now: float) -> None:
@@ -244,27 +294,23 @@ class LLMEngine:
         req.finish_reason = "stop"
         self.metrics.finish(req.request_id, now, "stop")
 
-    def _output(self, entry: _Entry, new_token_ids: list[int], new_text: str,
-                new_logprobs: list[Any] | None = None) -> RequestOutput:
-        req = entry.request
-        out = RequestOutput(req.request_id, entry.prompt, req.prompt_token_ids, new_token_ids, new_text,
-                            len(req.output_token_ids), req.finish_reason, entry.metrics, new_logprobs,
-                            entry.detokenizer.stop_reason)
-        if req.finish_reason is not None:
-            out.token_ids = req.output_token_ids
-            out.text = entry.detokenizer.text
-            out.logprobs = entry.logprobs
-        return out
-
     def _release(self, request_id: str) -> None:
-        self._entries.pop(request_id, None)
-        self.runner.release(request_id)
+        """Forget a finished request's runner state: now, or, with batches in flight (one may still hold a row of
+        it), in order with the next batch."""
+        if self._executor is None:
+            self.runner.release(request_id)
+        else:
+            self._to_release.append(request_id)
 
     # ------------------------------------------------------------------ helpers
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent; also runs when the engine is
-        collected and at interpreter exit). The engine cannot step afterwards."""
+        collected and at interpreter exit), and the forward thread of batches in flight. The engine cannot step
+        afterwards."""
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
         if self._finalizer is not None:
             self._finalizer()
 

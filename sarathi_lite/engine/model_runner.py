@@ -106,6 +106,22 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), attention backend %s", num_blocks, block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.attention_backend)
 
+    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of the K/V in ``block_ids``, every layer: ``[num_layers, len(block_ids), 2, block_size,
+        num_kv_heads, head_dim]`` in the cache's dtype, on the CPU (to send to another instance)."""
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv_cache.device)
+        return self.kv_cache.index_select(1, index).cpu()
+
+    def import_blocks(self, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Write ``kv`` (as ``export_blocks`` gives it, for ``len(block_ids)`` blocks) into ``block_ids``. Raises
+        ``ValueError`` naming the shapes when ``kv`` does not fit this cache's layout."""
+        expected = (self.kv_cache.shape[0], len(block_ids), *self.kv_cache.shape[2:])
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"import_blocks: K/V of shape {tuple(kv.shape)} does not fit {len(block_ids)} blocks of "
+                             f"this cache (expected {expected})")
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv_cache.device)
+        self.kv_cache.index_copy_(1, index, kv.to(self.kv_cache.device, self.kv_cache.dtype))
+
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's per-request state (its seeded sampling generator)."""
         self.sampler.forget(request_id)

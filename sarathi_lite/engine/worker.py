@@ -243,7 +243,7 @@ class WorkerGroup:
         t0 = time.perf_counter()
         dist.broadcast_object_list([out], src=0, group=self.control)
         self.broadcast_seconds += time.perf_counter() - t0
-        return runner.execute(out, params, banned=banned) if banned else runner.execute(out, params)
+        return runner.execute(out, params, banned=banned)
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(...)``, with a failure reported as the worker that caused it when one has exited."""
