@@ -66,7 +66,7 @@ class SchedulerConfig:
         they never starve); the long prompts take everything the short ones leave (capped only by an explicit
         ``long_prefill_chunk``). Long prompts hold at most ``max(max_num_partial_prefills - 1, 1)`` (and
         ``max_long_partial_prefills``) partial-prefill slots; short prompts always have at least one. See
-        ``Scheduler._schedule_prefills_protected``.
+        ``admission.ShortPromptProtection``.
     long_prefill_chunk: with ``hol_protection``, a cap on the prefill tokens long prompts get in an iteration
         they share with decodes or short prompts, which keeps those iterations, whose long-context attention is
         the costliest, about as fast as the others, at some throughput (``None``, the default: no cap; the share
