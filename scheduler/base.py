@@ -196,39 +196,39 @@ class Scheduler:
         it, when no other batch is out).
         """
         requests = self.requests
-        rows: list[Request] | None = None
+        scheduled = output.scheduled
         if self._track:
             if not self._in_flight or self._in_flight[0][0] is not output:
                 raise ValueError(f"update() of batch {output.batch_id}, but the oldest batch in flight is "
                                  f"{self._in_flight[0][0].batch_id if self._in_flight else None}: update in order")
             rows = self._in_flight[0][1]
-        if rows is None:
-            if self._stuck(output):
-                raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
-            self._outstanding = 0
-        for i, s in enumerate(output.scheduled):  # check first, so a bad call leaves the state as it was
+            # the rows of requests still live: not aborted or finished since (nor replaced under the same id)
+            scheduled = [s for s, req in zip(scheduled, rows) if requests.get(s.request_id) is req]
+        elif self._stuck(output):
+            raise RuntimeError("the scheduler admitted nothing although requests wait and none run")
+        for s in scheduled:  # check first, so a bad call leaves the state as it was
             if s.sample and sampled.get(s.request_id) is None:
                 req = requests.get(s.request_id)
-                if req is not None and req.status is RUNNING and (rows is None or rows[i] is req):
+                if req is not None and req.status is RUNNING:
                     raise ValueError(
                         f"no sampled token given for request {s.request_id!r}, which sampled this step")
-        if rows is not None:
+        if self._track:
             self._in_flight.popleft()
             for s, req in zip(output.scheduled, rows):
                 req.num_in_flight -= 1
                 req.num_scheduled_tokens -= s.num_new_tokens
                 req.num_pending_samples -= s.sample
+        self._outstanding = 0
         finished: list[Request] = []
         max_len = self.config.max_model_len
-        kv = self.kv
-        caching, bs = kv.enable_caching, kv.block_size
-        for i, s in enumerate(output.scheduled):
+        caching, bs = self.kv.enable_caching, self.kv.block_size
+        for s in scheduled:
             req = requests.get(s.request_id)
-            if req is None or req.status is not RUNNING or (rows is not None and rows[i] is not req):
+            if req is None or req.status is not RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             if caching and req.num_computed_tokens >= (req.num_committed_blocks + 1) * bs:
-                kv.commit(req)  # its newly filled blocks are shareable from the next schedule() on
+                self.kv.commit(req)  # its newly filled blocks are shareable from the next schedule() on
             if not s.sample:
                 continue
             token = sampled[s.request_id]
@@ -316,7 +316,7 @@ class Scheduler:
         out of blocks. Returns the running requests that are mid-prefill, in order (not scheduled). Requests in
         flight are passed over, or, under ``async_scheduling``, continued (``_continuation``)."""
         running = self.running
-        kv = self.kv
+        kv, pool = self.kv, self.block_manager
         bs = self.config.block_size
         track = self._track
         add_row = out.scheduled.append
@@ -339,12 +339,12 @@ class Scheduler:
                 token = req.output_token_ids[-1]
             blocks = req.block_ids
             if computed == len(blocks) * bs:
-                while not kv.num_free_blocks:
+                while not pool.num_free_blocks:
                     victim = self._victim(i - 1)
                     if victim is None or victim is req:
                         break
                     self.preempt(victim, out)
-                if not kv.num_free_blocks:
+                if not pool.num_free_blocks:
                     if not req.num_in_flight:
                         self.preempt(req, out)
                         break
@@ -453,7 +453,8 @@ class Scheduler:
         waiting = self.waiting
         held_back: list[Request] = []
         used = 0
-        while waiting and used < budget and self.has_seat():
+        max_seqs, loading, running = cfg.max_running, self.waiting_for_kv, self.running
+        while waiting and used < budget and len(running) + len(loading) < max_seqs:
             if self.chunked and num_partial >= max_partial:
                 break
             req = waiting[0]
