@@ -189,7 +189,7 @@ class EngineConfig:
             values["max_num_batched_tokens"] = None  # the default of given's own max_model_len: not a choice
         values.update(changes)
         # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
-        config = SchedulerConfig(**values, max_model_len=1, num_blocks=self.num_kv_blocks)
+        config = SchedulerConfig(**values, max_model_len=1)
         config.num_blocks = None
         config.max_num_batched_tokens = values.get("max_num_batched_tokens")
         return config
