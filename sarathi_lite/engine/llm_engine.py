@@ -19,6 +19,7 @@ from sarathi_lite.engine.detokenizer import IncrementalDetokenizer
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
 from sarathi_lite.metrics import MetricsRecorder, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
@@ -144,6 +145,7 @@ class LLMEngine:
             else set())
         self.metrics = MetricsRecorder(record_batches=config.record_batches, window=config.stats_window)
         self._entries: dict[str, _Entry] = {}
+        self._publish_snapshot()
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
@@ -167,6 +169,7 @@ class LLMEngine:
             request, text, params, self.metrics.add(request_id, arrival, len(token_ids)),
             IncrementalDetokenizer(self.tokenizer, request.output_token_ids, params),
             [] if params.logprobs is not None else None, tuple(sorted(stop)) if params.min_tokens else ())
+        self._publish_snapshot()
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
@@ -175,11 +178,14 @@ class LLMEngine:
         self.metrics.finish(request_id, self.clock(), "abort")
         entry = self._entries[request_id]
         self._release(request_id)
+        self._publish_snapshot()
         return self._output(entry, [], "")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (e.g. between benchmark runs); returns the blocks dropped."""
-        return self.scheduler.reset_prefix_cache()
+        dropped = self.scheduler.reset_prefix_cache()
+        self._publish_snapshot()
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -196,7 +202,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         scheduled = self.clock()
         result = self._run(out)
-        return self._postprocess(out, result, start, scheduled)
+        outputs = self._postprocess(out, result, start, scheduled)
+        self._publish_snapshot()
+        return outputs
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         if out.is_empty:
@@ -287,6 +295,23 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
         return None, token_ids
+
+    # ------------------------------------------------------------------ state for other threads
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's queues and KV pool as of its last step, add, abort or prefix-cache reset: an immutable
+        ``EngineSnapshot``, so it is safe to call from any thread while another steps the engine."""
+        return self._snapshot
+
+    def _publish_snapshot(self) -> None:
+        """Replace the snapshot other threads read (one reference assignment: a reader sees the old or the new
+        record, whole). Called by the engine's own thread after every operation that changes its state."""
+        sched = self.scheduler
+        blocks = sched.block_manager
+        self._snapshot = EngineSnapshot(
+            num_steps=self.metrics.num_iterations, num_waiting=len(sched.waiting), num_running=len(sched.running),
+            kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_blocks,
+            kv_blocks_cached=blocks.num_cached_blocks, prefix_hit_rate=blocks.hit_rate)
 
 
 def _engine_config(model: str | Path | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
