@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .registry import chunked_policy_names, is_chunked, policy_class
 
@@ -87,25 +87,55 @@ class SchedulerConfig:
         that one row.
     """
 
-    policy: str = "sarathi"
-    chunk_size: int | str = 512
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    max_model_len: int = 4096
-    block_size: int = 16
-    num_blocks: int | None = None
-    watermark: float = 0.01
-    max_num_partial_prefills: int | None = None
-    long_prefill_token_threshold: int | None = None
-    max_long_partial_prefills: int = 1
-    enable_prefix_caching: bool = True
-    hol_protection: bool = True
-    long_prefill_chunk: int | None = None
-    tbt_slo: float | None = None
-    budget_safety: float = 0.9
-    min_chunk_size: int = 32
-    max_concurrent_batches: int = 1
-    async_scheduling: bool = False
+    policy: str = field(default="sarathi", metadata={
+        "help": "the batching policy"})
+    chunk_size: int | str = field(default=512, metadata={
+        "help": "token budget per iteration of the chunked policies (sarathi, simple_chunking), or auto: each "
+                "iteration's budget chosen so the step cost_model predicts fits tbt_slo"})
+    max_num_seqs: int = field(default=128, metadata={
+        "help": "most requests running (holding KV blocks) at once"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "token budget per iteration of the unchunked policies (default: max(max_model_len, 2048))"})
+    max_model_len: int = field(default=4096, metadata={
+        "help": "longest request (tokens; an engine sets it from the model and its KV pool)"})
+    block_size: int = field(default=16, metadata={
+        "help": "tokens per KV block"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "blocks in the KV pool (an engine sets it from num_kv_blocks or its KV memory)"})
+    watermark: float = field(default=0.01, metadata={
+        "help": "fraction of the KV pool kept free when admitting a request while others run"})
+    max_num_partial_prefills: int | None = field(default=None, metadata={
+        "help": "most prompts mid-prefill at once (default: no limit beyond max_num_seqs)"})
+    long_prefill_token_threshold: int | None = field(default=None, metadata={
+        "help": "prompts with more prefill tokens than this are long (default: with hol_protection, 4 x chunk_size; "
+                "without, no prompt is long, and a long prompt's chunk is capped at it)"})
+    max_long_partial_prefills: int = field(default=1, metadata={
+        "help": "most long prompts mid-prefill at once"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs are the same either "
+                "way)"})
+    hol_protection: bool = field(default=True, metadata={
+        "help": "head-of-line protection: short prompts are admitted past long ones mid-prefill, which keep a share "
+                "of the budget; iterations with no short prompt beside a long one are scheduled as without it (see "
+                "SchedulerConfig.hol_protection); --no-hol-protection is the Sarathi-Serve paper's first-come-first-"
+                "served policy"})
+    long_prefill_chunk: int | None = field(default=None, metadata={
+        "help": "with hol_protection, cap long prompts at this many prefill tokens in an iteration shared with "
+                "decodes or short prompts, for TBT under long-context attention (default: no cap)"})
+    tbt_slo: float | None = field(default=None, metadata={
+        "help": "with chunk_size auto: the time-between-tokens target of every iteration (seconds)"})
+    budget_safety: float = field(default=0.9, metadata={
+        "help": "with chunk_size auto: the fraction of tbt_slo a predicted step may take (room for the step-to-step "
+                "spread)"})
+    min_chunk_size: int = field(default=32, metadata={
+        "help": "with chunk_size auto: prefill tokens granted every iteration a prompt waits, even past tbt_slo (so "
+                "prompts never starve)"})
+    max_concurrent_batches: int = field(default=1, metadata={
+        "help": "most batches in flight at once (pipeline stages, async scheduling); a request is in at most one of "
+                "them"})
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "overlap the CPU's scheduling of step N+1 and the processing of step N-1's outputs with step N's "
+                "forward pass (a decode is scheduled before its input token is sampled)"})
 
     def __post_init__(self) -> None:
         policy_class(self.policy)  # raises ValueError naming the registered policies

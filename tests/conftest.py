@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints (Llama, Mistral, Qwen2) built from configs in well
+"""Shared fixtures: tiny random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3) built from configs in well
 under a second, and Hugging Face's own greedy generation as the reference."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_la
 
 
 def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of ``kind`` (llama | llama3 | llama_hd64 | mistral | qwen2) as safetensors."""
+    """Save a tiny random model of ``kind`` (llama | llama3 | llama_hd64 | mistral | qwen2 | qwen3) as
+    safetensors."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -22,6 +23,8 @@ def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -42,6 +45,12 @@ def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    elif kind == "qwen3":  # q/k RMSNorm per head (weights drawn around 1), head_dim 32 != hidden / heads, tied
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.normal_(1.0, 0.3)
     else:
         raise ValueError(kind)
     model.generation_config.eos_token_id = None
@@ -52,7 +61,8 @@ def make_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {k: make_tiny_checkpoint(k, root / k) for k in ("llama", "llama3", "llama_hd64", "mistral", "qwen2")}
+    return {k: make_tiny_checkpoint(k, root / k) for k in ("llama", "llama3", "llama_hd64", "mistral", "qwen2",
+                                                           "qwen3")}
 
 
 class HFReference:

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from sarathi_lite.cli import build_parser, main
-from sarathi_lite.cli.common import SIM_FIELDS, add_engine_args, engine_config, flag_name
+from sarathi_lite.cli.common import SIM_FIELDS, add_engine_args, engine_config, flag_name, option_fields
 from sarathi_lite.engine.config import SCHEDULER_FIELDS, EngineConfig
 
 
@@ -19,12 +19,12 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> set[str]:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    names = {f.name for f in option_fields()}
     return {a.dest for a in parser._actions if a.dest in names}
 
 
 def test_every_field_has_help_and_a_flag_in_every_engine_command():
-    fields = dataclasses.fields(EngineConfig)
+    fields = option_fields()
     assert all(f.metadata.get("help") for f in fields)
     for command in ("generate", "bench", "capacity"):
         assert _engine_flags(_subparser(command)) == {f.name for f in fields}, command
@@ -39,7 +39,7 @@ def test_flags_parse_to_the_fields_types_and_default_to_the_config():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     untouched = parser.parse_args([])
-    assert all(getattr(untouched, f.name) is None for f in dataclasses.fields(EngineConfig))
+    assert all(getattr(untouched, f.name) is None for f in option_fields())
     assert engine_config(untouched) == EngineConfig()
     args = parser.parse_args(["--scheduler", "vllm", "--chunk-size", "64", "--max-num-seqs", "3", "--watermark",
                               "0.05", "--kv-cache-memory", "4096", "--dtype", "bfloat16", "--record-batches"])

@@ -89,8 +89,10 @@ def test_kv_from_another_engine_skips_the_prefill_and_holds_exactly_the_imported
 def test_missing_or_unusable_kv_falls_back_to_recomputing_the_prompt(tiny_checkpoints, caplog):
     prompt = list(range(3, 30))
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    producer = LLMEngine(tiny_checkpoints["llama"], kv_connector=InProcessKVConnector("core-fallback", "producer"),
+    # the options build the same connector: kv_role, kv_connector (inprocess by default), kv_store
+    producer = LLMEngine(tiny_checkpoints["llama"], kv_role="producer", kv_store="core-fallback",
                          **{**OPTIONS, "block_size": 8, "num_kv_blocks": 64})
+    assert isinstance(producer.kv_connector, InProcessKVConnector) and producer.kv_connector.role == "producer"
     run(producer, {"odd": (prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))})
     cold = run(LLMEngine.from_model(producer, **OPTIONS), {"x": (prompt, greedy)})["x"][0]
     consumer = LLMEngine.from_model(producer, kv_connector=InProcessKVConnector("core-fallback", "consumer"),

@@ -17,7 +17,6 @@ shorter prompts), prompt and output lengths scaled by 1/4 and clipped to 1024 / 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -36,15 +35,15 @@ from sarathi_lite.cli.common import (
     save_comparison,
     slo_from_args,
 )
-from sarathi_lite.engine.config import EngineConfig
+from sarathi_lite.engine.config import OPTIONS, EngineConfig
 
 # The fields each configuration of a comparison sets itself; the rest are shared engine options.
 _PER_CONFIGURATION = ("model", "policy", "chunk_size")
 
 
 def _shared_options(config: EngineConfig) -> dict[str, Any]:
-    """The ``LLMEngine`` options of ``config`` that every configuration of a comparison shares."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _PER_CONFIGURATION}
+    """The ``LLMEngine`` options of ``config`` that every configuration of a comparison shares, by name."""
+    return {name: getattr(config, name) for name in OPTIONS if name not in _PER_CONFIGURATION}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

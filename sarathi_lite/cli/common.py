@@ -1,19 +1,21 @@
 """The flags every ``sarathi-lite`` subcommand shares, built from ``EngineConfig`` rather than listed by hand.
 
-``add_engine_args(parser)`` turns each ``EngineConfig`` field into one flag (``chunk_size`` -> ``--chunk-size``)
-with the field's type, choices and help (its ``metadata``), and ``None`` as the flag's default, so the one
-default of each option stays the dataclass's; ``engine_config(args)`` turns the flags that were given back into
-an ``EngineConfig``. A field added to ``EngineConfig`` gets its flag by itself.
+``add_engine_args(parser)`` turns each engine option (``sarathi_lite.engine.config.OPTIONS``: ``EngineConfig``'s
+own fields and those of its nested ``SchedulerConfig``, ``ParallelConfig`` and ``KVTransferConfig``) into one flag
+(``chunk_size`` -> ``--chunk-size``) with the field's type, choices and help (its ``metadata``), and ``None`` as
+the flag's default, so the one default of each option stays the dataclass's; ``engine_config(args)`` turns the
+flags that were given back into an ``EngineConfig``. A field added to any of these dataclasses gets its flag by
+itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +23,28 @@ from sarathi_lite.bench.capacity import SLO, CapacityResult
 from sarathi_lite.bench.plots import plot_capacity, plot_results
 from sarathi_lite.bench.results import BenchResult, compare, save_results
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.engine.config import SCHEDULER_FIELDS, EngineConfig, parse_chunk_size
+from sarathi_lite.engine.config import OPTIONS, SCHEDULER_FIELDS, EngineConfig, Option, config_options, parse_chunk_size
 from sarathi_lite.scheduler import POLICIES
 
 # The fields that shape what the scheduler does, which the simulator models (no model, no device). A field
 # outside the scheduler's that the simulator also reads says so with ``metadata={"sim": True}``.
 SIM_FIELDS = (*SCHEDULER_FIELDS, "num_kv_blocks", "max_model_len",
-              *(f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("sim")
-                and f.name not in SCHEDULER_FIELDS))
+              *(o.name for o in OPTIONS.values() if o.metadata.get("sim") and o.name not in SCHEDULER_FIELDS))
 
 
-def flag_name(f: dataclasses.Field) -> str:
-    """The command-line option of an ``EngineConfig`` field: ``--`` + ``metadata["flag"]`` or the field's name,
-    with dashes."""
+def option_fields(config_class: type = EngineConfig) -> tuple[Option, ...]:
+    """The options ``add_engine_args`` makes flags of: ``EngineConfig``'s (nested configs' fields by their
+    option names), or another dataclass's fields."""
+    return config_options(config_class)
+
+
+def flag_name(f: Option) -> str:
+    """The command-line option of an engine option (or a dataclass field): ``--`` + ``metadata["flag"]`` or its
+    name, with dashes."""
     return "--" + f.metadata.get("flag", f.name).replace("_", "-")
 
 
-def _parser(f: dataclasses.Field, annotation: Any) -> Callable[[str], Any] | None:
+def _parser(f: Option, annotation: Any) -> Callable[[str], Any] | None:
     """How the flag's text becomes a value: ``metadata["type"]``, else the annotation's one non-``None`` type
     (``int | None`` -> ``int``); ``None`` for ``bool`` (an on/off flag) and ``str``."""
     if "type" in f.metadata:
@@ -56,25 +63,24 @@ def _parser(f: dataclasses.Field, annotation: Any) -> Callable[[str], Any] | Non
 
 def add_engine_args(parser: argparse.ArgumentParser, *, fields: Iterable[str] | None = None,
                     exclude: Iterable[str] = (), config_class: type = EngineConfig) -> None:
-    """Add one flag per ``EngineConfig`` field (only ``fields`` if given, never those in ``exclude``) to
-    ``parser``, in a group "engine options". Every flag defaults to ``None``: "not given", so ``engine_config``
-    leaves the option at ``EngineConfig``'s default, which the help text shows. config_class: another dataclass
-    whose fields carry the same metadata."""
-    hints = typing.get_type_hints(config_class)
+    """Add one flag per engine option (``option_fields``; only ``fields`` if given, never those in ``exclude``)
+    to ``parser``, in a group "engine options". Every flag defaults to ``None``: "not given", so ``engine_config``
+    leaves the option at its default, which the help text shows. config_class: another dataclass whose fields
+    carry the same metadata."""
     wanted = None if fields is None else set(fields)
     skipped = set(exclude)
     group = parser.add_argument_group("engine options (EngineConfig)")
-    for f in dataclasses.fields(config_class):
+    for f in option_fields(config_class):
         if (wanted is not None and f.name not in wanted) or f.name in skipped:
             continue
         help_text = f.metadata.get("help", "")
-        if f.default is not None and f.default is not dataclasses.MISSING:
-            help_text += f" (default: {f.default})"
+        if f.field.default is not None and f.field.default is not MISSING:
+            help_text += f" (default: {f.field.default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
-        if hints[f.name] is bool:
+        if f.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kind = _parser(f, hints[f.name])
+            kind = _parser(f, f.annotation)
             if kind is not None:
                 kwargs["type"] = kind
             if "choices" in f.metadata:
@@ -83,8 +89,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, fields: Iterable[str] | 
 
 
 def engine_options(args: argparse.Namespace, fields: Iterable[str] | None = None) -> dict[str, Any]:
-    """The ``EngineConfig`` fields given on the command line (those of ``fields`` if given), by field name."""
-    names = [f.name for f in dataclasses.fields(EngineConfig)] if fields is None else list(fields)
+    """The engine options given on the command line (those of ``fields`` if given), by option name."""
+    names = list(OPTIONS) if fields is None else list(fields)
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

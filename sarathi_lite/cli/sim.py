@@ -13,8 +13,11 @@ profile: time this machine's model runner over a grid of batch shapes and save t
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
+from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli.common import (
     SIM_FIELDS,
@@ -32,13 +35,15 @@ from sarathi_lite.cli.common import (
     save_comparison,
     slo_from_args,
 )
-from sarathi_lite.engine.config import SCHEDULER_FIELDS
+from sarathi_lite.engine.config import OPTIONS, SCHEDULER_FIELDS
 from sarathi_lite.sim import simulator as sim
 from sarathi_lite.sim.cost_model import CostModel
+from sarathi_lite.sim.validate import validate
 
 # What profile does not take: the scheduler's settings (it times batches it builds itself, and calibrates at
-# the profiler's own chunk size) and the records' options.
-_PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "record_batches", "cost_model")
+# the profiler's own chunk size), the records' options, and what only serving uses (async scheduling, KV transfer).
+_PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "record_batches", "cost_model",
+                     "async_scheduling", *(name for name, o in OPTIONS.items() if o.section == "kv_transfer"))
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -72,12 +77,6 @@ def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Workloa
 
 
 def _validate(args: argparse.Namespace, cost_model: CostModel) -> int:
-    import json
-    from pathlib import Path
-
-    from sarathi_lite.bench.results import BenchResult
-    from sarathi_lite.sim.validate import validate
-
     print(f"cost model: {_describe(cost_model.describe())}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ import torch
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class AsyncLLMEngine:
     def num_streams(self) -> int:
         """Requests with a consumer still waiting for outputs."""
         return len(self._streams)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's queues and KV pool as of its last step (``LLMEngine.snapshot``): safe from any thread."""
+        return self.engine.snapshot()
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestStream:

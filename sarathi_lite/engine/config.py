@@ -1,8 +1,18 @@
-"""``EngineConfig``: every engine option in one validated dataclass, with the one default each option has."""
+"""``EngineConfig``: every engine option, validated, with the one default each option has, nested by concern
+(after vLLM's ``VllmConfig``): ``scheduler`` (a ``SchedulerConfig``), ``parallel`` (a ``ParallelConfig``),
+``kv_transfer`` (a ``KVTransferConfig``) and the engine's own options (model, KV memory, dtype, device, ...).
+
+Every field of a nested config is also an option of its own (flat) name: ``LLM(chunk_size=256)``,
+``EngineConfig(policy="vllm")``, ``config.chunk_size``, ``config.replace(chunk_size=64)`` and ``--chunk-size`` all
+reach ``config.scheduler.chunk_size``. ``OPTIONS`` lists every option by that name (a field added to a nested
+config is an option, a keyword and a flag by itself); ``kv_transfer``'s are prefixed ``kv_`` (``kv_role``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,13 +23,8 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-
-_SCHEDULER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
-
-
-def _scheduler_option(name: str, help_text: str, **metadata: Any) -> Any:
-    """A field the engine passes to ``SchedulerConfig``, with the scheduler's default (one default per option)."""
-    return field(default=_SCHEDULER_DEFAULTS[name], metadata={"help": help_text, **metadata})
+KV_ROLES = ("producer", "consumer", "both")
+KV_CONNECTORS = ("inprocess",)
 
 
 def parse_chunk_size(text: str) -> int | str:
@@ -33,60 +38,94 @@ def parse_chunk_size(text: str) -> int | str:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    """How many ranks split the model, per kind of parallelism. Every field is a positive count of ranks with its
+    ``metadata["help"]``: a new kind (pipeline, data) is one more field here, and it is an engine option, a
+    keyword and a CLI flag by itself."""
+
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the engine spawns ranks "
+                "1.. as worker processes (or torchrun launched them); each holds 1/N of the weights and KV heads, "
+                "on cuda:<rank> on CUDA"})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_positive_int(f.name, getattr(self, f.name))
+
+
+@dataclass(slots=True)
+class KVTransferConfig:
+    """Whether and how this engine exchanges KV blocks with other instances (disaggregated prefill/decode).
+
+    role: ``None`` (no transfer, the default), ``"producer"`` (computes prompts' KV and sends it),
+        ``"consumer"`` (receives KV that a producer computed) or ``"both"``.
+    connector: the ``KVConnector`` implementation that moves the blocks (``"inprocess"``: between engines of
+        one process, through a named store).
+    store: the in-process connector's store name: engines that name the same store exchange blocks.
+    """
+
+    role: str | None = field(default=None, metadata={
+        "choices": KV_ROLES, "help": "this engine's part in KV transfer between instances: producer (sends its "
+                                     "prompts' KV), consumer (receives KV), both (default: none)"})
+    connector: str = field(default="inprocess", metadata={
+        "choices": KV_CONNECTORS, "help": "with kv_role: the connector that moves KV blocks between instances"})
+    store: str = field(default="default", metadata={
+        "help": "with kv_role and the inprocess connector: the store's name (engines naming one store exchange "
+                "KV blocks)"})
+
+    def __post_init__(self) -> None:
+        if self.role is not None:
+            _check_choice("kv_role", self.role, KV_ROLES)
+        _check_choice("kv_connector", self.connector, KV_CONNECTORS)
+        if not isinstance(self.store, str) or not self.store:
+            raise ValueError(f"kv_store={self.store!r} must be a non-empty name")
+
+    @property
+    def is_producer(self) -> bool:
+        """Whether this engine sends KV to others (role ``producer`` or ``both``)."""
+        return self.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """Whether this engine receives KV from others (role ``consumer`` or ``both``)."""
+        return self.role in ("consumer", "both")
+
+
+# The nested configs: EngineConfig's field, its class, and the prefix of its fields' option names.
+SECTIONS: dict[str, tuple[type, str]] = {"scheduler": (SchedulerConfig, ""), "parallel": (ParallelConfig, ""),
+                                         "kv_transfer": (KVTransferConfig, "kv_")}
+# Fields of a nested config that the engine sets itself, so they are no options: the scheduler's pool and
+# longest request come from num_kv_blocks / the KV memory and from max_model_len / the model.
+ENGINE_SET = {"scheduler": ("num_blocks", "max_model_len")}
+# What the CLI needs beyond a nested field's own metadata: --scheduler names the policy; chunk_size's parser.
+_CLI_METADATA: dict[str, dict[str, Any]] = {"policy": {"flag": "scheduler", "choices": POLICIES},
+                                            "chunk_size": {"type": parse_chunk_size}}
+
+
+@dataclass(slots=True, init=False)
 class EngineConfig:
     """What an ``LLMEngine`` runs and how: every engine option, validated, with its one default. Sizes in tokens
     unless named otherwise; each field's ``metadata["help"]`` says what it means (the CLI's ``--help`` shows it).
 
-    ``LLM``/``LLMEngine`` take ``policy`` as ``scheduler=`` (and so does the CLI: ``--scheduler``). Field metadata
-    read by ``sarathi_lite.cli.common``: ``help``; ``choices``; ``flag`` (the option's name when it is not the
-    field's); ``type`` (a parser from the command-line text, when the annotation's type is not one).
+    scheduler: the scheduling options (a ``SchedulerConfig``). Its ``max_model_len`` and ``num_blocks`` are
+        placeholders (1 and ``None``), and its ``max_num_batched_tokens`` is ``None`` unless given: the engine
+        sets them once it knows the model and the KV pool (``scheduler_config``).
+    parallel: a ``ParallelConfig``; kv_transfer: a ``KVTransferConfig``.
+
+    ``EngineConfig(model, **options)`` takes each nested field by its option name (``policy=``, ``chunk_size=``,
+    ``tensor_parallel_size=``, ``kv_role=``; see ``OPTIONS``), or a nested config whole (``scheduler=
+    SchedulerConfig(...)``; then options given by name override its fields); ``scheduler="vllm"`` names the
+    policy, as ``LLM``/``LLMEngine`` and the CLI (``--scheduler``) take it. Unknown options raise ``TypeError``
+    naming them; bad values ``ValueError`` naming them. ``config.chunk_size`` reads ``config.scheduler.chunk_size``.
+
+    Field metadata read by ``sarathi_lite.cli.common``: ``help``; ``choices``; ``flag`` (the option's name when
+    it is not the field's); ``type`` (a parser from the command-line text, when the annotation's type is not one);
+    ``sim`` (the simulator reads it too).
     """
 
     model: str | None = field(default=None, metadata={
         "help": "a built-in name (default: the embedded smollm2-135m) or a local Hugging Face checkpoint folder"})
-    policy: str = _scheduler_option("policy", "the batching policy", flag="scheduler", choices=POLICIES)
-    chunk_size: int | str = _scheduler_option(
-        "chunk_size", "token budget per iteration of the chunked policies (sarathi, simple_chunking), or auto: "
-        "each iteration's budget chosen so the step cost_model predicts fits tbt_slo", type=parse_chunk_size)
-    max_num_seqs: int = _scheduler_option("max_num_seqs", "most requests running (holding KV blocks) at once")
-    max_num_batched_tokens: int | None = _scheduler_option(
-        "max_num_batched_tokens",
-        "token budget per iteration of the unchunked policies (default: max(max_model_len, 2048))")
-    block_size: int = _scheduler_option("block_size", "tokens per KV block")
-    watermark: float = _scheduler_option(
-        "watermark", "fraction of the KV pool kept free when admitting a request while others run")
-    max_num_partial_prefills: int | None = _scheduler_option(
-        "max_num_partial_prefills", "most prompts mid-prefill at once (default: no limit beyond max_num_seqs)")
-    long_prefill_token_threshold: int | None = _scheduler_option(
-        "long_prefill_token_threshold", "prompts with more prefill tokens than this are long (default: with "
-        "hol_protection, 4 x chunk_size; without, no prompt is long, and a long prompt's chunk is capped at it)")
-    max_long_partial_prefills: int = _scheduler_option(
-        "max_long_partial_prefills", "most long prompts mid-prefill at once")
-    enable_prefix_caching: bool = _scheduler_option(
-        "enable_prefix_caching", "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs "
-        "are the same either way)")
-    hol_protection: bool = _scheduler_option(
-        "hol_protection", "head-of-line protection: short prompts are admitted past long ones mid-prefill, which "
-        "keep a share of the budget; iterations with no short prompt beside a long one are scheduled as without "
-        "it (see SchedulerConfig.hol_protection); --no-hol-protection is the Sarathi-Serve paper's "
-        "first-come-first-served policy")
-    long_prefill_chunk: int | None = _scheduler_option(
-        "long_prefill_chunk", "with hol_protection, cap long prompts at this many prefill tokens in an iteration "
-        "shared with decodes or short prompts, for TBT under long-context attention (default: no cap)")
-    tbt_slo: float | None = _scheduler_option(
-        "tbt_slo", "with chunk_size auto: the time-between-tokens target of every iteration (seconds)")
-    budget_safety: float = _scheduler_option(
-        "budget_safety", "with chunk_size auto: the fraction of tbt_slo a predicted step may take (room for the "
-        "step-to-step spread)")
-    min_chunk_size: int = _scheduler_option(
-        "min_chunk_size", "with chunk_size auto: prefill tokens granted every iteration a prompt waits, even past "
-        "tbt_slo (so prompts never starve)")
-    max_concurrent_batches: int = _scheduler_option(
-        "max_concurrent_batches", "most batches in flight at once (pipeline stages, async scheduling); a request is "
-        "in at most one of them")
-    async_scheduling: bool = _scheduler_option(
-        "async_scheduling", "overlap the CPU's scheduling of step N+1 and the processing of step N-1's outputs with "
-        "step N's forward pass (a decode is scheduled before its input token is sampled)")
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cost_model: Any = field(default=None, metadata={
         "type": str, "sim": True,
         "help": "with chunk_size auto: the step-time model, a profile JSON (sarathi-lite profile) or "
@@ -115,10 +154,43 @@ class EngineConfig:
     stats_window: int | None = field(default=None, metadata={
         "help": "keep the records of only the last this many finished requests and iterations (bounded memory "
                 "for a long-running server; stats() then covers that window; default: keep every record)"})
-    tensor_parallel_size: int = field(default=1, metadata={
-        "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the engine spawns "
-                "ranks 1.. as worker processes (or torchrun launched them); each holds 1/N of the weights and KV "
-                "heads, on cuda:<rank> on CUDA"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        options = _policy_keyword(options)
+        nested = {name: options.pop(name, None) for name in SECTIONS}
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        self.model = model
+        for f in dataclasses.fields(self):
+            if f.name != "model" and f.name not in SECTIONS:
+                setattr(self, f.name, options.get(f.name, f.default))
+        for name, (cls, _) in SECTIONS.items():
+            given = nested[name]
+            if given is not None and not isinstance(given, cls):
+                raise TypeError(f"{name}= takes a {cls.__name__}, not {type(given).__name__}")
+            changes = {o.field.name: options[o.name] for o in OPTIONS.values() if o.section == name
+                       and o.name in options}
+            setattr(self, name, self._scheduler(given, changes) if name == "scheduler" else
+                    dataclasses.replace(given or cls(), **changes))
+        self.__post_init__()
+
+    def _scheduler(self, given: SchedulerConfig | None, changes: dict[str, Any]) -> SchedulerConfig:
+        """The ``scheduler`` field: ``given`` (or the defaults) with ``changes``, validated the way the engine will
+        use it, with the fields the engine sets at their placeholders."""
+        values = {} if given is None else {o.field.name: getattr(given, o.field.name) for o in OPTIONS.values()
+                                           if o.section == "scheduler"}
+        if given is not None and given.max_num_batched_tokens == dataclasses.replace(
+                given, max_num_batched_tokens=None, num_blocks=None).max_num_batched_tokens:
+            values["max_num_batched_tokens"] = None  # the default of given's own max_model_len: not a choice
+        values.update(changes)
+        # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
+        config = SchedulerConfig(**values, max_model_len=1)
+        config.num_blocks = None
+        config.max_num_batched_tokens = values.get("max_num_batched_tokens")
+        return config
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -132,10 +204,10 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window", "tensor_parallel_size"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            if value is not None:
+                _check_positive_int(name, value)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if isinstance(self.cost_model, Path):
@@ -143,8 +215,6 @@ class EngineConfig:
         if self.chunk_size == "auto" and self.cost_model is None:
             raise ValueError("chunk_size='auto' needs cost_model= (a profile JSON, roofline:HW[:MODEL], or an "
                              "object with predict_step_time) to choose each iteration's budget")
-        # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
-        self.scheduler_config(num_blocks=self.num_kv_blocks, max_model_len=1)
 
     def kv_pool(self, *, kv_bytes_per_token: int | None, max_position_embeddings: int | None,
                 kv_cache_memory: int | None = None) -> KVPool:
@@ -153,24 +223,100 @@ class EngineConfig:
                        kv_cache_memory=kv_cache_memory)
 
     def scheduler_config(self, num_blocks: int | None, max_model_len: int) -> SchedulerConfig:
-        """The ``SchedulerConfig`` of this engine once its KV pool and ``max_model_len`` are known."""
-        return SchedulerConfig(**{f: getattr(self, f) for f in SCHEDULER_FIELDS}, num_blocks=num_blocks,
-                               max_model_len=max_model_len)
+        """The ``SchedulerConfig`` of this engine once its KV pool and ``max_model_len`` are known: ``scheduler``
+        with both set (and ``max_num_batched_tokens``, unless given, derived from that ``max_model_len``)."""
+        return dataclasses.replace(self.scheduler, num_blocks=num_blocks, max_model_len=max_model_len)
 
     @classmethod
     def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:
         """The config of ``LLMEngine(model, **options)``: ``scheduler=`` names the policy; unknown options raise
         ``TypeError`` naming them."""
-        if "scheduler" in options:
-            options["policy"] = options.pop("scheduler")
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
-        return cls(model=model, **options)
+        return cls(model, **options)
 
     def replace(self, **changes: Any) -> EngineConfig:
-        """A copy with some options changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some options changed (validated again): any option by name (``chunk_size=64``), a nested
+        config whole (``parallel=ParallelConfig(...)``), or ``scheduler="vllm"`` for the policy."""
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return EngineConfig(**{**current, **_policy_keyword(changes)})
+
+
+def _policy_keyword(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``scheduler="name"`` (the CLI's and ``LLM``'s spelling of the policy) as ``policy=``."""
+    if not isinstance(options.get("scheduler"), str):
+        return options
+    options = dict(options)
+    if "policy" in options:
+        raise TypeError(f"scheduler={options['scheduler']!r} and policy={options['policy']!r}: name the policy once")
+    options["policy"] = options.pop("scheduler")
+    return options
+
+
+@dataclass(slots=True, frozen=True)
+class Option:
+    """One engine option as keywords, attributes and the CLI see it: ``name`` (``LLM(name=...)``,
+    ``config.name``, ``--name``), the nested config holding it (``section``: an ``EngineConfig`` field, or
+    ``None`` for ``EngineConfig``'s own), its dataclass ``field`` and type ``annotation``, and ``metadata``: the
+    field's, with what the CLI needs beyond it."""
+
+    name: str
+    section: str | None
+    field: dataclasses.Field
+    annotation: Any
+    metadata: Mapping[str, Any]
+
+    @property
+    def default(self) -> Any:
+        """The option's one default (its dataclass field's)."""
+        return self.field.default
+
+
+def config_options(config_class: type | None = None) -> tuple[Option, ...]:
+    """The options of ``config_class`` (default ``EngineConfig``: ``OPTIONS``, nested configs' fields in place
+    of their section); of any other dataclass, its fields."""
+    if config_class is None or config_class is EngineConfig:
+        return tuple(OPTIONS.values())
+    hints = typing.get_type_hints(config_class)
+    return tuple(Option(f.name, None, f, hints[f.name], f.metadata) for f in dataclasses.fields(config_class))
+
+
+def _options() -> dict[str, Option]:
+    found: dict[str, Option] = {}
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in SECTIONS:
+            found[f.name] = Option(f.name, None, f, hints[f.name], f.metadata)
+            continue
+        cls, prefix = SECTIONS[f.name]
+        inner = typing.get_type_hints(cls)
+        for g in dataclasses.fields(cls):
+            if g.name in ENGINE_SET.get(f.name, ()):
+                continue
+            name = prefix + g.name
+            if name in found or name in SECTIONS:
+                raise TypeError(f"engine option {name!r} is defined twice")
+            found[name] = Option(name, f.name, g, inner[g.name], {**g.metadata, **_CLI_METADATA.get(name, {})})
+    return found
+
+
+def _delegate(section: str, name: str) -> property:
+    def get(self: EngineConfig) -> Any:
+        return getattr(getattr(self, section), name)
+
+    return property(get, doc=f"``{section}.{name}``")
+
+
+OPTIONS: dict[str, Option] = _options()
+"""Every engine option by name: ``EngineConfig``'s own fields and, in their section's place, its nested
+configs' fields (but those the engine sets itself, ``ENGINE_SET``)."""
+
+for _option in OPTIONS.values():
+    if _option.section is not None:
+        setattr(EngineConfig, _option.name, _delegate(_option.section, _option.field.name))
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -230,12 +376,10 @@ def kv_pool(config: EngineConfig, *, kv_bytes_per_token: int | None, max_positio
     return KVPool(int(num_blocks), block_size, max_model_len, budget)
 
 
-# The SchedulerConfig fields an engine passes through unchanged: every EngineConfig field of the same name
-# (num_blocks and max_model_len it derives from num_kv_blocks and the model).
-SCHEDULER_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig)
-                         if f.name in {g.name for g in dataclasses.fields(SchedulerConfig)} - {"max_model_len"})
+# The scheduler's options, by name: every SchedulerConfig field but those the engine sets (ENGINE_SET).
+SCHEDULER_FIELDS = tuple(o.name for o in OPTIONS.values() if o.section == "scheduler")
 
 
 def default_option(name: str) -> Any:
-    """The one default of ``EngineConfig``'s option ``name`` (e.g. ``chunk_size`` where a caller gives none)."""
-    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+    """The one default of the engine option ``name`` (e.g. ``chunk_size`` where a caller gives none)."""
+    return OPTIONS[name].default

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from sarathi_lite.engine.config import KVTransferConfig
 from sarathi_lite.engine.model_runner import ModelRunner
 from sarathi_lite.scheduler import KVConnectorScheduler, KVLoad, KVSave, Request
 
@@ -90,6 +91,15 @@ def kv_store(name: str) -> KVStore:
     """The process-wide store ``name`` (created on first use)."""
     with _STORES_LOCK:
         return _STORES.setdefault(name, KVStore())
+
+
+def make_kv_connector(config: KVTransferConfig) -> KVConnector | None:
+    """The connector an engine's ``kv_transfer`` options ask for (``None`` without a role)."""
+    if config.role is None:
+        return None
+    if config.connector == "inprocess":
+        return InProcessKVConnector(config.store, config.role)
+    raise ValueError(f"kv_connector={config.connector!r} is not one of inprocess")
 
 
 class InProcessKVConnector:

@@ -17,16 +17,17 @@ from typing import Any
 import torch
 
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.kv_connector import KVConnector
+from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
 from sarathi_lite.metrics import MetricsRecorder, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
-from sarathi_lite.models.llama import LlamaForCausalLM
+from sarathi_lite.models.interface import CausalLM
 from sarathi_lite.models.loader import load_model
 from sarathi_lite.scheduler import PLACEHOLDER_TOKEN, Request, SchedulerOutput, make_scheduler
 
@@ -55,7 +56,8 @@ class LLMEngine:
     policy), or ``LLMEngine(config=EngineConfig(...))``; see ``EngineConfig`` for each option and its default.
     clock: the time source for metrics (seconds). kv_connector: moves prompt K/V between engines (disaggregated
     prefill/decode; ``sarathi_lite.engine.kv_connector``): it saves every finished request's K/V, and a request
-    added with ``num_external_tokens`` loads them. ``LLMEngine.from_model(engine, ...)``: another engine on the
+    added with ``num_external_tokens`` loads them (default: the one the ``kv_role``/``kv_connector``/``kv_store``
+    options describe, if any). ``LLMEngine.from_model(engine, ...)``: another engine on the
     same loaded weights.
     With ``tensor_parallel_size`` N > 1 the engine starts N - 1 worker processes (``sarathi_lite.engine.worker``);
     ``shutdown()`` (or dropping the engine) stops them. Scripts that spawn workers need the usual
@@ -115,7 +117,7 @@ class LLMEngine:
         return engine
 
     def _start(self, config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
-               model: LlamaForCausalLM, runner_model: LlamaForCausalLM, tokenizer: Any, clock: Callable[[], float],
+               model: CausalLM, runner_model: CausalLM, tokenizer: Any, clock: Callable[[], float],
                t0: float, kv_connector: KVConnector | None = None) -> None:
         """Everything but loading: the KV pool, the scheduler, the model runner (on ``runner_model``: ``model``
         itself, or a ``runner_view`` of shared weights), the records."""
@@ -129,6 +131,8 @@ class LLMEngine:
             pool = self.workers.agree_pool(config, pool, self.model_config.max_position_embeddings)
         max_model_len = pool.max_model_len
         self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
+        if kv_connector is None:
+            kv_connector = make_kv_connector(config.kv_transfer)
         if kv_connector is not None and self.workers is not None:
             raise ValueError("kv_connector: not with tensor_parallel_size > 1 (each rank holds a shard of the KV)")
         self.kv_connector = kv_connector
@@ -149,6 +153,7 @@ class LLMEngine:
             else None
         self._recent_tokens: deque[dict[str, int]] = deque(maxlen=self._depth)  # executor thread only
         self._to_release: list[str] = []  # finished requests whose runner state goes with the next batch
+        self._publish_snapshot()
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
         gc.freeze()
@@ -174,6 +179,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params.max_tokens, stop, arrival)
         self.scheduler.add(request, num_external_tokens)
         self.outputs.add(request, text, params, self.metrics.add(request_id, arrival, len(token_ids)))
+        self._publish_snapshot()
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
@@ -182,11 +188,14 @@ class LLMEngine:
         self.metrics.finish(request_id, self.clock(), "abort")
         state = self.outputs.remove(request_id)
         self._release(request_id)
+        self._publish_snapshot()
         return self.outputs.output(state, [], "")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (e.g. between benchmark runs); returns the blocks dropped."""
-        return self.scheduler.reset_prefix_cache()
+        dropped = self.scheduler.reset_prefix_cache()
+        self._publish_snapshot()
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._queue)
@@ -203,6 +212,11 @@ class LLMEngine:
         With ``max_concurrent_batches`` > 1 (async scheduling) it first schedules and submits batches while the
         queue has room (they run in order on a forward thread), then waits for the oldest and processes it: the
         CPU work of scheduling the next batch and processing this one overlaps the running forward pass."""
+        outputs = self._step()
+        self._publish_snapshot()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self._executor is None:
             start = self.clock()
             out = self.scheduler.schedule()
@@ -333,6 +347,23 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
         return None, token_ids
+
+    # ------------------------------------------------------------------ state for other threads
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's queues and KV pool as of its last step, add, abort or prefix-cache reset: an immutable
+        ``EngineSnapshot``, so it is safe to call from any thread while another steps the engine."""
+        return self._snapshot
+
+    def _publish_snapshot(self) -> None:
+        """Replace the snapshot other threads read (one reference assignment: a reader sees the old or the new
+        record, whole). Called by the engine's own thread after every operation that changes its state."""
+        sched = self.scheduler
+        blocks = sched.block_manager
+        self._snapshot = EngineSnapshot(
+            num_steps=self.metrics.num_iterations, num_waiting=len(sched.waiting), num_running=len(sched.running),
+            kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_blocks,
+            kv_blocks_cached=blocks.num_cached_blocks, prefix_hit_rate=blocks.hit_rate)
 
 
 def _engine_config(model: str | Path | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:

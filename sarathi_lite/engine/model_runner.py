@@ -18,7 +18,7 @@ from sarathi_lite.engine.sampler import Sampler
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
 from sarathi_lite.models.config import ModelConfig
-from sarathi_lite.models.llama import LlamaForCausalLM
+from sarathi_lite.models.interface import CausalLM
 from sarathi_lite.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class StepResult:
     sample_time: float = 0.0
 
 
-def runner_view(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def runner_view(model: CausalLM) -> CausalLM:
     """A copy of ``model``'s module tree that shares everything else (weights, buffers, the rotary cache, the
     config), for a second ``ModelRunner`` on loaded weights (``LLMEngine.from_model``): each runner binds its
     own KV cache and attention backends into its model's attention layers once, so no runner rebinds
@@ -84,7 +84,7 @@ class ModelRunner:
     backends' query heads) are the model's on this rank: a tensor-parallel shard runs the same code on its heads.
     """
 
-    def __init__(self, model: LlamaForCausalLM, *, block_size: int, num_blocks: int, device: torch.device,
+    def __init__(self, model: CausalLM, *, block_size: int, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto") -> None:
         cfg = model.config
         self.model = model

@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face checkpoint's ``config.json`` (Llama, Mistral, Qwen2)."""
+"""Model configuration read from a Hugging Face checkpoint's ``config.json`` (Llama, Mistral, Qwen2, Qwen3)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(slots=True)
@@ -17,6 +17,7 @@ class ModelConfig:
     rope_scaling: the rope parameters beyond ``rope_theta`` (``rope_type`` plus its factors), or ``None``.
     layer_windows: per layer, the sliding-window ``window_left`` (a query at position p sees keys from
         ``p - window_left``), or -1 for full attention.
+    architectures: the model classes ``config.json`` names (``sarathi_lite.models.registry`` picks ours by them).
     """
 
     model_type: str
@@ -37,6 +38,7 @@ class ModelConfig:
     layer_windows: list[int] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None
+    architectures: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -90,14 +92,20 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, model_type, num_layers),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
             dtype=cfg.get("dtype", cfg.get("torch_dtype")),
+            architectures=list(cfg.get("architectures") or []),
         )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in {str(path)!r}: expected a Hugging Face checkpoint folder")
-        return cls.from_dict(json.loads(config_file.read_text()))
+        return cls.from_dict(read_config_json(path))
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of the checkpoint folder ``path``, as a dict."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {str(path)!r}: expected a Hugging Face checkpoint folder")
+    return json.loads(config_file.read_text())
 
 
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int]:
@@ -105,7 +113,7 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> lis
     window = cfg.get("sliding_window")
     if model_type == "mistral":
         return [window - 1 if window else -1] * num_layers
-    if model_type == "qwen2" and cfg.get("use_sliding_window") and window:
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
         types = cfg.get("layer_types") or [
             "sliding_attention" if i >= cfg.get("max_window_layers", num_layers) else "full_attention"
             for i in range(num_layers)

@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) that runs one flat hybrid batch per forward.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) that runs one flat hybrid batch per forward; a ``CausalLM``
+(``sarathi_lite.models.interface``). Families that differ only in attention (Qwen3) subclass it with their own
+``attention_class``.
 
 The model never sees scheduling: each ``Attention`` layer holds a reference to the step's planned attention
 backend and its own KV cache (set by the model runner), so the forward only takes token ids and positions.
@@ -13,6 +15,7 @@ from torch import nn
 
 from sarathi_lite.kernels import AttentionBackend, RotaryEmbedding, fused_add_rms_norm, rms_norm, silu_and_mul
 from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
+from sarathi_lite.models.interface import WeightMap
 from sarathi_lite.models.parallel import (
     AttentionShard,
     ColumnParallelLinear,
@@ -66,14 +69,17 @@ class LlamaAttention(nn.Module):
         self.rotary_emb: RotaryEmbedding | None = None  # shared by all layers, see LlamaForCausalLM.init_rotary
         self.attn = Attention()
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> q [N, num_heads, head_dim], k and v [N, num_kv_heads, head_dim] (before rotary)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        return (q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim),
+                v.reshape(n, self.num_kv_heads, self.head_dim))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).reshape(n, self.q_size))
+        return self.o_proj(self.attn(q, k, v).reshape(x.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -91,9 +97,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, attention_class: type[LlamaAttention] = LlamaAttention
+                 ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.self_attn = attention_class(cfg, tp)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -110,10 +117,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, attention_class: type[LlamaAttention] = LlamaAttention
+                 ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, attention_class) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -133,7 +141,10 @@ class LlamaForCausalLM(nn.Module):
     (every rank calls it; ranks other than 0 get ``None``).
     tp: this process's tensor-parallel rank and group (default: one rank, no sharding). ``num_heads`` and
     ``num_kv_heads`` are this rank's head counts (the attention backends and the KV cache are sized by them).
+    attention_class: each layer's attention (a subclass of ``LlamaAttention`` for a family that differs there).
     """
+
+    attention_class: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -142,9 +153,13 @@ class LlamaForCausalLM(nn.Module):
         check_tensor_parallel(cfg, self.tp.size)
         shard = AttentionShard.of(cfg, self.tp)
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
-        self.model = LlamaModel(cfg, self.tp)
+        self.model = LlamaModel(cfg, self.tp, self.attention_class)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The LM head shares the input embedding's weight when the checkpoint ties them."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -163,3 +178,10 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+
+LLAMA_WEIGHTS = WeightMap(
+    fused={"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)},
+    skip=("rotary_emb.inv_freq",))
+"""Hugging Face's Llama checkpoint names (also Mistral's, Qwen2's, Qwen3's): q/k/v and gate/up are fused here."""

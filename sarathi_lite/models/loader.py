@@ -1,18 +1,18 @@
-"""Build a model from a local Hugging Face checkpoint folder (``config.json`` + safetensors)."""
+"""Build a model from a local Hugging Face checkpoint folder (``config.json`` + safetensors): the class and the
+weight names come from the registry (``sarathi_lite.models.registry``), by the checkpoint's ``architectures``."""
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from sarathi_lite.models.config import ModelConfig
-from sarathi_lite.models.llama import LlamaForCausalLM
+from sarathi_lite.models.config import ModelConfig, read_config_json
+from sarathi_lite.models.interface import CausalLM, WeightMap
 from sarathi_lite.models.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -20,15 +20,9 @@ from sarathi_lite.models.parallel import (
     TensorParallel,
     VocabParallelEmbedding,
 )
+from sarathi_lite.models.registry import model_spec
 
 logger = logging.getLogger(__name__)
-
-# HF checkpoint name pattern -> (our parameter, shard index within a fused parameter, or None)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -43,23 +37,25 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-               tp: TensorParallel | None = None) -> LlamaForCausalLM:
-    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype`` (with ``tp``: this rank's shard).
+               tp: TensorParallel | None = None) -> CausalLM:
+    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype`` (with ``tp``: this rank's shard):
+    the registered class of its ``architectures``. Raises ``ValueError`` naming an unsupported architecture.
 
     load_format: ``"auto"`` reads the safetensors weights; ``"dummy"`` fills random weights (for benchmarks
     of model shapes whose weights are not at hand; only ``config.json`` is read).
     """
     path = Path(path)
-    cfg = ModelConfig.from_pretrained(path)
+    raw = read_config_json(path)
+    spec = model_spec(raw.get("architectures"), raw.get("model_type"))
+    cfg = ModelConfig.from_dict(raw)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp)
+        model = spec.model_class(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()
     if load_format == "dummy":
         _init_dummy(model)
     elif load_format == "auto":
-        _load_safetensors(model, cfg, _safetensors_files(path))
+        _load_safetensors(model, cfg, _safetensors_files(path), spec.weights)
     else:
         raise ValueError(f"load_format={load_format!r} must be 'auto' or 'dummy'")
     model.init_rotary(device)
@@ -67,7 +63,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_
 
 
 @torch.no_grad()
-def _init_dummy(model: LlamaForCausalLM) -> None:
+def _init_dummy(model: CausalLM) -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     for name, p in model.named_parameters():
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
@@ -77,24 +73,21 @@ def _init_dummy(model: LlamaForCausalLM) -> None:
 
 
 @torch.no_grad()
-def _load_safetensors(model: LlamaForCausalLM, cfg: ModelConfig, files: list[Path]) -> None:
-    """Copy each checkpoint tensor's share for this rank into the model, reading only that share from disk
-    (``safe_open(...).get_slice``): a rank of N never holds a full copy of a sharded weight."""
+def _load_safetensors(model: CausalLM, cfg: ModelConfig, files: list[Path], weights: WeightMap) -> None:
+    """Copy each checkpoint tensor's share for this rank into the model (its name through ``weights``), reading
+    only that share from disk (``safe_open(...).get_slice``): a rank of N never holds a full copy of a sharded
+    weight."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                if "rotary_emb.inv_freq" in hf_name:
+                if weights.skips(hf_name):
                     continue
                 if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                name, part = hf_name, None
-                m = _LAYER_RE.match(hf_name)
-                if m and m.group(3) in _FUSED:
-                    fused, part = _FUSED[m.group(3)]
-                    name = f"model.layers.{m.group(1)}.{m.group(2)}.{fused}.{m.group(4)}"
+                name, part = weights.target(hf_name)
                 if name not in params:
                     raise ValueError(f"checkpoint weight {hf_name!r} has no place in the model")
                 target, tensor = _shard(modules[name.rsplit(".", 1)[0]], params[name], name, part,
@@ -108,10 +101,9 @@ def _load_safetensors(model: LlamaForCausalLM, cfg: ModelConfig, files: list[Pat
     for name in params:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if ".qkv_proj." in name:
-            expected.update(f"{name}#{i}" for i in range(3))
-        elif ".gate_up_proj." in name:
-            expected.update(f"{name}#{i}" for i in range(2))
+        parts = weights.num_parts(name)
+        if parts > 1:
+            expected.update(f"{name}#{i}" for i in range(parts))
         else:
             expected.add(name)
     missing = sorted(expected - loaded)

@@ -1,7 +1,7 @@
 """Prometheus metrics of a serving engine (``GET /metrics``), with ``prometheus_client``.
 
-Queue sizes and KV blocks are read when scraped; per-iteration token mix and per-token latencies are recorded
-by ``on_step``, which the engine thread calls after every step.
+Queue sizes and KV blocks are read when scraped, from the engine's thread-safe ``snapshot()``; per-iteration token
+mix and per-token latencies are recorded by ``on_step``, which the engine thread calls after every step.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ class ServerMetrics:
         self._seen_iterations = 0
 
     def watch(self, engine: AsyncLLMEngine) -> None:
-        """Read ``engine``'s queues and KV pool at every scrape."""
-        sched = engine.engine.scheduler
-        self.running.set_function(lambda: len(sched.running))
-        self.waiting.set_function(lambda: len(sched.waiting))
-        self.kv_used.set_function(lambda: sched.block_manager.num_used_blocks)
-        self.kv_total.set(sched.config.num_blocks)
+        """Read ``engine``'s queues and KV pool at every scrape (on the server's thread), only through its
+        thread-safe ``snapshot()``."""
+        self.running.set_function(lambda: engine.snapshot().num_running)
+        self.waiting.set_function(lambda: engine.snapshot().num_waiting)
+        self.kv_used.set_function(lambda: engine.snapshot().kv_blocks_used)
+        self.kv_total.set_function(lambda: engine.snapshot().kv_blocks_total)
         self.streams.set_function(lambda: engine.num_streams)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
