@@ -89,7 +89,7 @@ def test_every_scheduler_field_is_an_option_and_a_flag_without_cli_code():
     text = _subparser_help("generate")
     for flag in ("--async-scheduling", "--kv-role", "--tensor-parallel-size", "--min-chunk-size", "--scheduler"):
         assert flag in text, flag
-    assert "overlap the CPU's scheduling and input preparation of step N+1" in " ".join(text.split())
+    assert "overlap the CPU's scheduling of step N+1" in " ".join(text.split())
 
 
 def _subparser_help(name: str) -> str:
