@@ -55,15 +55,16 @@ def _parser(f: dataclasses.Field, annotation: Any) -> Callable[[str], Any] | Non
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, fields: Iterable[str] | None = None,
-                    exclude: Iterable[str] = (), config_class: type = EngineConfig) -> None:
+                    exclude: Iterable[str] = (), config_class: type = EngineConfig,
+                    title: str = "engine options (EngineConfig)") -> None:
     """Add one flag per ``EngineConfig`` field (only ``fields`` if given, never those in ``exclude``) to
     ``parser``, in a group "engine options". Every flag defaults to ``None``: "not given", so ``engine_config``
     leaves the option at ``EngineConfig``'s default, which the help text shows. config_class: another dataclass
-    whose fields carry the same metadata."""
+    whose fields carry the same metadata (``title`` names its group)."""
     hints = typing.get_type_hints(config_class)
     wanted = None if fields is None else set(fields)
     skipped = set(exclude)
-    group = parser.add_argument_group("engine options (EngineConfig)")
+    group = parser.add_argument_group(title)
     for f in dataclasses.fields(config_class):
         if (wanted is not None and f.name not in wanted) or f.name in skipped:
             continue
