@@ -146,7 +146,8 @@ class Stats:
     def summary(self) -> dict[str, Any]:
         """Percentiles (p50/p90/p99, seconds) of TTFT, TBT, scheduling delay, end-to-end and normalized
         latency over finished requests (TBT over all token gaps pooled), and throughput over the run."""
-        done = [r for r in self.requests if r.finished_time is not None and r.finish_reason != "abort"]
+        done = [r for r in self.requests
+                if r.finished_time is not None and r.finish_reason not in ("abort", "error")]
         out: dict[str, Any] = {"num_requests": len(done), "num_iterations": len(self.iterations)}
         out.update(percentiles([r.ttft for r in done if r.ttft is not None], "ttft"))
         out.update(percentiles([g for r in done for g in r.tbt], "tbt"))

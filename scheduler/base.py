@@ -246,6 +246,21 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
         return finished
 
+    def discard(self, output: SchedulerOutput) -> None:
+        """Forget a batch that failed to run (its requests' counts stay as they were; the caller aborts or retries
+        them): its KV loads end as failed, and it stops being in flight. A batch already updated is left alone."""
+        for load in output.kv_loads:
+            if load.request_id in self._loads or load.request_id in self._load_holds:
+                self.finish_kv_load(load.request_id, ok=False)
+        if not self._track:
+            self._outstanding = 0
+        elif self._in_flight and self._in_flight[0][0] is output:
+            _, rows = self._in_flight.popleft()
+            for s, req in zip(output.scheduled, rows):
+                req.num_in_flight -= 1
+                req.num_scheduled_tokens -= s.num_new_tokens
+                req.num_pending_samples -= s.sample
+
     # ------------------------------------------------------------------ KV from elsewhere
 
     def finish_kv_load(self, request_id: str, ok: bool = True) -> bool:

@@ -118,17 +118,49 @@ def test_abort_ends_the_stream_and_bad_input_fails_only_its_request(engine):
     assert ok[-1].finish_reason == "length" and ok[-1].num_output_tokens == 5
 
 
-def test_engine_errors_reach_every_waiting_generator_and_shutdown_ends_them(engine):
+def test_a_failed_step_ends_only_its_requests_and_the_loop_keeps_serving(engine):
     calls = {"n": 0}
     execute = engine.runner.execute
 
     def failing(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] > 4:
-            raise RuntimeError("device lost")
+        if calls["n"] == 5:
+            raise RuntimeError("a bug in one step")
         return execute(*args, **kwargs)
 
     engine.runner.execute = failing
+    aengine = AsyncLLMEngine(engine)
+
+    async def main():
+        results = await asyncio.gather(*[collect(aengine, p, greedy(50), f"e{i}") for i, p in enumerate(PROMPTS)])
+        after = await collect(aengine, PROMPTS[0], greedy(3), "after")
+        return results, after
+
+    try:
+        results, after = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        aengine.shutdown()
+    assert all(outs[-1].finish_reason == "error" and "a bug in one step" in outs[-1].error for outs in results)
+    assert after[-1].finish_reason == "length" and after[-1].num_output_tokens == 3
+    assert engine.scheduler.block_manager.num_used_blocks == 0 and aengine.num_streams == 0
+
+
+class _DeadWorkers:
+    """A tensor-parallel group whose rank 1 died during a step."""
+
+    failed = None
+
+    def execute(self, *args, **kwargs):
+        self.failed = "tensor-parallel worker rank 1 (pid 4242) exited with code 1"
+        raise RuntimeError("Connection closed by peer")
+
+    def check_alive(self) -> None:
+        if self.failed:
+            raise RuntimeError(self.failed)
+
+
+def test_a_dead_worker_reaches_every_waiting_generator_and_shutdown_ends_them(engine):
+    engine.workers = _DeadWorkers()
     aengine = AsyncLLMEngine(engine)
 
     async def main():
@@ -139,8 +171,9 @@ def test_engine_errors_reach_every_waiting_generator_and_shutdown_ends_them(engi
         return results
 
     results = asyncio.run(asyncio.wait_for(main(), 60))
-    assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results)
-    assert not aengine.is_running
+    engine.workers = None
+    assert all(isinstance(r, EngineDeadError) and "rank 1 (pid 4242) exited" in str(r) for r in results)
+    assert not aengine.is_running and "rank 1 (pid 4242) exited with code 1" in aengine.dead_reason
 
     healthy = AsyncLLMEngine(LLMEngine(engine.model_path, chunk_size=16, device="cpu", num_kv_blocks=64))
 

@@ -25,7 +25,7 @@ ALLOWED = {
     "bench": {"scheduler", "metrics", "engine"},
     "sim": {"scheduler", "metrics", "models", "engine", "bench"},
     "server": {"engine"},
-    "cli": {"scheduler", "metrics", "engine", "bench", "sim"},
+    "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server"},
     "__main__": {"cli"},
 }
 

@@ -316,8 +316,8 @@ def test_an_error_after_streaming_began_is_an_error_event_then_done(checkpoint):
 
     def failing(*args, **kwargs):
         calls.append(1)
-        if len(calls) > 3:
-            raise RuntimeError("device lost")
+        if len(calls) == 4:
+            raise RuntimeError("a bug in one step")
         return execute(*args, **kwargs)
 
     engine.runner.execute = failing
@@ -335,9 +335,9 @@ def test_an_error_after_streaming_began_is_an_error_event_then_done(checkpoint):
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
-        assert "device lost" in error["message"] and error["type"] == "server_error"
+        assert "a bug in one step" in error["message"] and error["type"] == "server_error"
         assert all("choices" in json.loads(e) for e in events[:-2]) and len(events) >= 3
-        assert httpx.get(f"{url}/health").status_code == 503
+        assert httpx.get(f"{url}/health").status_code == 200  # one failed step fails its requests, not the server
     finally:
         server.should_exit = True
         thread.join(30)

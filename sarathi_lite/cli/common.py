@@ -62,14 +62,15 @@ def _parser(f: Option, annotation: Any) -> Callable[[str], Any] | None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, fields: Iterable[str] | None = None,
-                    exclude: Iterable[str] = (), config_class: type = EngineConfig) -> None:
+                    exclude: Iterable[str] = (), config_class: type = EngineConfig,
+                    title: str = "engine options (EngineConfig)") -> None:
     """Add one flag per engine option (``option_fields``; only ``fields`` if given, never those in ``exclude``)
-    to ``parser``, in a group "engine options". Every flag defaults to ``None``: "not given", so ``engine_config``
+    to ``parser``, in a group ``title``. Every flag defaults to ``None``: "not given", so ``engine_config``
     leaves the option at its default, which the help text shows. config_class: another dataclass whose fields
     carry the same metadata."""
     wanted = None if fields is None else set(fields)
     skipped = set(exclude)
-    group = parser.add_argument_group("engine options (EngineConfig)")
+    group = parser.add_argument_group(title)
     for f in option_fields(config_class):
         if (wanted is not None and f.name not in wanted) or f.name in skipped:
             continue

@@ -1,17 +1,22 @@
 """``sarathi-lite serve [MODEL]``: the OpenAI-compatible server (``sarathi_lite.server``) on uvicorn.
 
-Every engine option is a flag. Unless ``--stats-window`` says otherwise, the server keeps the records of only
-the last 10,000 finished requests and iterations, so its memory stays bounded however long it runs. Needs the
-``[serve]`` extra.
+Every engine option is a flag, and so is every server limit (``ServerConfig``: queue bound, body size, read
+timeouts, request timeout, API key, chat max_tokens default). Unless ``--stats-window`` says otherwise, the
+server keeps the records of only the last 10,000 finished requests and iterations, so its memory stays bounded
+however long it runs. The API key may come from the SARATHI_LITE_API_KEY environment variable instead of
+``--api-key`` (which ``ps`` shows). Needs the ``[serve]`` extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 from typing import Any
 
 from sarathi_lite.cli.common import add_engine_args, add_threads_arg, apply_threads, engine_config
+from sarathi_lite.server.config import API_KEY_ENV, ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from sarathi_lite.server import build_app
+        from sarathi_lite.server.limits import header_timeout_protocol
     except ImportError as e:
         raise RuntimeError(f"serve needs the [serve] extra (pip install 'sarathi-lite[serve]'): {e}") from e
     from sarathi_lite.engine.llm_engine import LLMEngine
@@ -34,11 +40,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         changes["model"] = args.model_arg
     if config.stats_window is None:
         changes["stats_window"] = DEFAULT_STATS_WINDOW
+    limits = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
+              if getattr(args, f.name, None) is not None}
+    if "api_key" not in limits and os.environ.get(API_KEY_ENV):
+        limits["api_key"] = os.environ[API_KEY_ENV]
+    server_config = ServerConfig(**limits)
     engine = LLMEngine(config=config.replace(**changes))
-    app = build_app(engine, args.served_model_name)
+    app = build_app(engine, args.served_model_name, server_config)
     logger.info("serving %s on http://%s:%d", args.served_model_name or engine.model_path.name, args.host,
                 args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False,
+                http=header_timeout_protocol(server_config.header_timeout))
     return 0
 
 
@@ -54,6 +66,7 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the checkpoint folder's name)")
     g.add_argument("--uvicorn-log-level", default="warning")
+    add_engine_args(p, config_class=ServerConfig, title="server limits (ServerConfig)")
     add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from sarathi_lite.engine.errors import EngineDeadError, QueueFullError
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
@@ -29,9 +30,7 @@ from sarathi_lite.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an error in a step, or ``shutdown()``); no request can run any more."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 
 @dataclass(slots=True)
@@ -64,11 +63,26 @@ class AsyncLLMEngine:
     engine: the ``LLMEngine`` to drive; from now on only this object may call it.
     on_step: called in the engine thread after every step with the engine and that step's outputs (e.g. to
     update metrics); it must be quick and must not raise.
+    max_waiting_requests: admission control: ``add_request`` raises ``QueueFullError`` while this many requests
+    wait (queued for the engine thread, or in the scheduler's waiting queue, preempted ones included); ``None``:
+    no bound. retry_after: the wait (seconds) ``QueueFullError`` suggests.
+
+    A step that fails ends only its own requests (``finish_reason="error"``, see ``LLMEngine.step``); only a
+    broken device or worker (``EngineDeadError``) stops the loop, and then ``dead_reason`` says why.
     """
 
-    def __init__(self, engine: LLMEngine, on_step: StepListener | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: StepListener | None = None,
+                 max_waiting_requests: int | None = None, retry_after: float = 1.0) -> None:
+        if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
+                                                 or not isinstance(max_waiting_requests, int)
+                                                 or max_waiting_requests < 1):
+            raise ValueError(f"max_waiting_requests={max_waiting_requests!r} must be a positive integer or None")
         self.engine = engine
         self.on_step = on_step
+        self.max_waiting_requests = max_waiting_requests
+        self.retry_after = retry_after
+        self._num_adds = 0  # _Add commands not yet applied
+        self._num_waiting = 0  # the scheduler's waiting queue after the engine thread's last step
         self._commands: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -88,6 +102,19 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self._error is None and not self._stopping
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine loop stopped (``None`` while it runs)."""
+        if self._error is not None:
+            return f"{type(self._error).__name__}: {self._error}"
+        return "the engine was shut down" if self._stopping or not self._thread.is_alive() else None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting: added but not yet applied by the engine thread, or in the scheduler's queue (as of
+        the last step)."""
+        return self._num_adds + self._num_waiting
+
+    @property
     def num_streams(self) -> int:
         """Requests with a consumer still waiting for outputs."""
         return len(self._streams)
@@ -100,8 +127,9 @@ class AsyncLLMEngine:
                           request_id: str | None = None) -> RequestStream:
         """Queue a request; once the engine thread accepted it, return the stream of its step outputs.
 
-        Raises ``ValueError`` for bad input, as ``LLMEngine.add_request`` does, and ``EngineDeadError`` if the
-        engine loop stopped. Iterate the stream to its end or ``aclose()`` it: closing or cancelling aborts.
+        Raises ``ValueError`` for bad input, as ``LLMEngine.add_request`` does, ``QueueFullError`` when
+        ``max_waiting_requests`` requests wait already, and ``EngineDeadError`` if the engine loop stopped.
+        Iterate the stream to its end or ``aclose()`` it: closing or cancelling aborts.
         """
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
@@ -147,6 +175,12 @@ class AsyncLLMEngine:
         with self._lock:
             if self._error is not None or self._stopping:
                 raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
+            bound = self.max_waiting_requests
+            if bound is not None and self._num_adds + self._num_waiting >= bound:
+                raise QueueFullError(f"the server is busy: {bound} requests are already waiting "
+                                     f"(max_waiting_requests); retry after {self.retry_after:g} s",
+                                     self.retry_after)
+            self._num_adds += 1
             self._commands.append(add)
             self._wake.notify()
 
@@ -163,13 +197,17 @@ class AsyncLLMEngine:
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, []
+                    self._num_waiting += self._num_adds  # until _apply says how many it queued
+                    self._num_adds = 0
                 self._apply(commands)
+                self._num_waiting = len(engine.scheduler.waiting)
                 if engine.has_unfinished_requests():
-                    outputs = engine.step()
+                    outputs = engine.step()  # a failed step fails its requests; only a dead device raises
+                    self._num_waiting = len(engine.scheduler.waiting)
                     if self.on_step is not None:
                         self.on_step(engine, outputs)
                     self._deliver(outputs)
-        except BaseException as e:  # the step failed: every waiting generator must hear of it, not hang
+        except BaseException as e:  # the engine cannot go on: every waiting generator must hear of it, not hang
             logger.exception("engine loop failed")
             with self._lock:
                 self._error = e

@@ -9,7 +9,7 @@ from typing import Any
 
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
-from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.metrics import Stats
 
 Prompt = str | Sequence[int]
@@ -38,15 +38,25 @@ class LLM:
 
         params: one ``SamplingParams`` for all prompts, or one per prompt. If a prompt is rejected
         (``ValueError``), none of this call's prompts stays queued; other requests of the engine go on.
+        A request whose step fails for an unexpected reason comes back with ``finish_reason="error"`` (and the
+        reason in ``error``); the others, and later calls, are unaffected. Only a broken device or worker raises
+        (``EngineDeadError``).
         """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be text, token ids, or a list of either; got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        elif not isinstance(params, Sequence):
+            raise ValueError(f"params must be SamplingParams or a list of them; got {type(params).__name__}")
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params[{i}] must be SamplingParams; got {type(p).__name__}")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
         try:
@@ -67,7 +77,12 @@ class LLM:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"the model at {self.engine.model_path} has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (or a list of "
+                             f"such lists); got {messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for c, conversation in enumerate(conversations):
+            _check_conversation(conversation, "messages" if len(conversations) == 1 else f"messages[{c}]")
         prompts = [tok.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True)
                    for c in conversations]
         return self.generate([tok(p, add_special_tokens=False).input_ids for p in prompts], params, use_tqdm)
@@ -81,6 +96,15 @@ class LLM:
         return self.engine.stats()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        try:
+            return self._steps(ids, use_tqdm)
+        except BaseException:  # a dead engine, or KeyboardInterrupt: leave none of this call's requests queued
+            for rid in ids:
+                if rid in self.engine.scheduler.requests:
+                    self.engine.abort_request(rid)
+            raise
+
+    def _steps(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -98,3 +122,18 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[rid] for rid in ids]
+
+
+def _check_conversation(conversation: Any, name: str) -> None:
+    """Raise ``ValueError`` naming the message unless ``conversation`` is a non-empty list of dicts with a
+    string ``role`` and string ``content`` (valid Unicode)."""
+    if isinstance(conversation, (str, bytes, dict)) or not isinstance(conversation, Sequence) or not conversation:
+        raise ValueError(f"{name} must be a non-empty list of {{'role', 'content'}} dicts; got {conversation!r:.80}")
+    for i, m in enumerate(conversation):
+        where = f"{name}[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} must be a dict with 'role' and 'content'; got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"{where}: {key!r} must be a string; got {m.get(key)!r:.80}")
+            check_text(f"{where}.{key}", m[key])

@@ -18,10 +18,11 @@ import torch
 
 from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
+from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
-from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
 from sarathi_lite.metrics import MetricsRecorder, Stats
@@ -38,9 +39,23 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device of the ``device`` option; raises ``ValueError`` naming a device this machine lacks."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+    if dev.type == "cpu":
+        return dev
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise ValueError(f"device={device!r}: this machine has no {dev.type} device (use device='cpu')")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise ValueError(f"device={device!r}: this machine has {count()} {dev.type} device(s)")
+    return dev
 
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -169,6 +184,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} must be a string")
+        self._check_vocab(request_id, params)
         if num_external_tokens and self.kv_connector is None:
             raise ValueError(f"request {request_id!r}: num_external_tokens={num_external_tokens!r} needs an engine "
                              f"with a KV connector")
@@ -180,6 +198,18 @@ class LLMEngine:
         self.scheduler.add(request, num_external_tokens)
         self.outputs.add(request, text, params, self.metrics.add(request_id, arrival, len(token_ids)))
         self._publish_snapshot()
+
+    def _check_vocab(self, request_id: str, params: SamplingParams) -> None:
+        """The checks of ``params`` that need the vocabulary: stop token ids inside it, ``logprobs`` at most its
+        size."""
+        vocab = self.model_config.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"request {request_id!r}: stop_token_ids contains {t}, outside the vocabulary "
+                                 f"[0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary size "
+                             f"{vocab}")
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
@@ -221,7 +251,10 @@ class LLMEngine:
             start = self.clock()
             out = self.scheduler.schedule()
             scheduled = self.clock()
-            return self._postprocess(out, self._execute(out, *self._sampling(out)), start, scheduled)
+            try:
+                return self._postprocess(out, self._execute(out, *self._sampling(out)), start, scheduled)
+            except Exception as e:  # fail this step's requests, not the engine, unless the device itself broke
+                return self._failed_step(out, e)
         while len(self._queue) < self._depth and self.scheduler.can_schedule() and self.scheduler.has_unfinished():
             start = self.clock()
             out = self.scheduler.schedule()
@@ -234,7 +267,58 @@ class LLMEngine:
         if not self._queue:
             return []
         out, future, start, scheduled = self._queue.popleft()
-        return self._postprocess(out, future.result(), start, scheduled)
+        try:
+            return self._postprocess(out, future.result(), start, scheduled)
+        except Exception as e:
+            return self._failed_step(out, e)
+
+    def _failed_step(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        """A batch failed to run or be processed: raise ``EngineDeadError`` if the device or a worker broke, else
+        end the batch's requests with the error (the engine goes on) and drop the batch from the scheduler."""
+        self.check_health()
+        logger.exception("a step failed; its %d request(s) end with an error", len(out.scheduled),
+                         exc_info=error)
+        ids = [s.request_id for s in out.scheduled] + [load.request_id for load in out.kv_loads]
+        self.scheduler.discard(out)
+        return self._fail_requests(ids, error)
+
+    def _fail_requests(self, request_ids: Sequence[str], error: BaseException) -> list[RequestOutput]:
+        """End the unfinished ones of ``request_ids`` because of ``error``: free their blocks, record them
+        finished with reason ``"error"``; returns their final outputs (``finish_reason="error"``, ``error`` the
+        message)."""
+        message = f"the step running this request failed: {type(error).__name__}: {error}"
+        now = self.clock()
+        outputs = []
+        for rid in dict.fromkeys(request_ids):
+            state = self.outputs.get(rid)
+            if state is None or rid not in self.scheduler.requests:
+                continue
+            self.scheduler.abort(rid)
+            state.request.finish_reason = "error"
+            self.metrics.finish(rid, now, "error")
+            self.outputs.remove(rid)
+            self._release(rid)
+            result = self.outputs.output(state, [], "")
+            result.error = message
+            outputs.append(result)
+        return outputs
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` saying why if the engine cannot run steps any more: a tensor-parallel
+        worker has exited or fallen out of step, or the CUDA device reports an error (CUDA errors are sticky:
+        every later kernel would fail too)."""
+        if self.workers is not None:
+            try:
+                self.workers.check_alive()
+            except RuntimeError as e:
+                raise EngineDeadError(str(e)) from e
+            if self.workers.failed:
+                raise EngineDeadError(self.workers.failed)
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception as e:  # torch.AcceleratorError and friends: the device is gone for this process
+                raise EngineDeadError(f"the device {self.device} failed: {e}") from e
 
     def _sampling(self, out: SchedulerOutput) -> tuple[dict[str, SamplingParams], dict[str, tuple[int, ...]]]:
         return self.outputs.sampling([s.request_id for s in out.scheduled if s.sample])
@@ -340,7 +424,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {self.model_path}")
+            check_text(f"request {request_id!r}: prompt", prompt)
             return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         token_ids = list(prompt)
         vocab = self.model_config.vocab_size
         for t in token_ids:

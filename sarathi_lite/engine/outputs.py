@@ -14,7 +14,8 @@ class RequestOutput:
     ``new_text`` (the text they add, see ``IncrementalDetokenizer``; may be ``""`` while a multi-byte character
     or a possible stop string is incomplete), ``new_logprobs``, and the cumulative ``num_output_tokens``.
     finished / finish_reason: ``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (``max_tokens`` or
-    ``max_model_len``), ``"abort"``. stop_reason: the stop string that matched, else ``None``.
+    ``max_model_len``), ``"abort"``, ``"error"`` (the step running it failed; ``error`` says why, the engine
+    goes on). stop_reason: the stop string that matched, else ``None``.
     At the end (``finished``): ``token_ids``, ``text`` (the concatenation of every ``new_text``) and
     ``logprobs`` (per token ``(sampled token's logprob, {token_id: logprob} of the top alternatives)`` when
     ``SamplingParams.logprobs`` is set); before the end they are ``None``.
@@ -23,7 +24,8 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "new_token_ids", "new_text", "new_logprobs",
-                 "num_output_tokens", "finish_reason", "stop_reason", "metrics", "token_ids", "text", "logprobs")
+                 "num_output_tokens", "finish_reason", "stop_reason", "metrics", "token_ids", "text", "logprobs",
+                 "error")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], new_token_ids: list[int],
                  new_text: str, num_output_tokens: int, finish_reason: str | None, metrics: RequestMetrics,
@@ -43,6 +45,7 @@ class RequestOutput:
         self.token_ids = token_ids
         self.text = text
         self.logprobs = logprobs
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:

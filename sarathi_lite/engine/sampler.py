@@ -24,19 +24,22 @@ class Sampler:
                  banned: Mapping[str, Sequence[int]] | None = None) -> tuple[list[int], list[Any] | None]:
         """logits: [B, vocab] float32. banned: per request id, token ids its row must not sample (their
         logits become -inf). Returns the B token ids, and per row ``(logprob, {id: logprob})`` or ``None`` (the
-        list itself is ``None`` when no row asked for logprobs)."""
+        list itself is ``None`` when no row asked for logprobs). Values past the vocabulary (a banned id, a
+        ``top_k`` or ``logprobs`` above it) are clipped to it, never an error: ``LLMEngine.add_request`` rejects
+        what it can, and what it cannot check must not fail the whole batch."""
+        vocab = logits.shape[-1]
         if banned:
             for i, rid in enumerate(request_ids):
-                ids = banned.get(rid)
+                ids = [t for t in banned.get(rid, ()) if 0 <= t < vocab]
                 if ids:
-                    logits[i, list(ids)] = float("-inf")
+                    logits[i, ids] = float("-inf")
         if all(p.temperature == 0 for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             dev = logits.device
             temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+            top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int64, device=dev)
             generators = [self._generator(rid, p) for rid, p in zip(request_ids, params)]
             tokens = sample(logits, temperature, top_p, top_k, generators)
         token_list = tokens.tolist()
@@ -50,7 +53,7 @@ class Sampler:
                 continue
             top = {}
             if p.logprobs:
-                values, ids = logprobs[i].topk(p.logprobs)
+                values, ids = logprobs[i].topk(min(p.logprobs, vocab))
                 top = dict(zip(ids.tolist(), values.tolist()))
             rows.append((float(logprobs[i, token_list[i]]), top))
         return token_list, rows

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow float32 for ordinary logit ranges
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 @dataclass(slots=True)
@@ -24,6 +30,11 @@ class SamplingParams:
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     min_tokens: generate at least this many tokens: EOS and ``stop_token_ids`` cannot be sampled, and stop
         strings are not matched, before that.
+
+    Every field is bounded, so a request that passes these checks (and the engine's, which knows the vocabulary:
+    token ids and ``logprobs`` below its size) cannot fail in the sampler: ``max_tokens`` in [1, 2**63),
+    ``temperature`` 0 or in [``MIN_TEMPERATURE``, inf), ``top_k`` in [-1, 2**31), ``seed`` in [-2**63, 2**64),
+    ``logprobs`` in [0, 2**31), stop strings valid Unicode. A bad value raises ``ValueError`` naming the field.
     """
 
     max_tokens: int = 16
@@ -39,32 +50,69 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT64)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature!r} is below {MIN_TEMPERATURE}, the smallest "
+                             f"temperature that samples (smaller ones overflow the scaled logits); 0 is greedy")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= -1 (0 or -1: off)")
-        self.stop_token_ids = list(self.stop_token_ids)
-        for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids contains {t!r}; token ids are integers >= 0")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed={self.seed!r} must be an integer or None")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs={self.logprobs!r} must be an integer >= 0 or None")
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop contains {s!r}; stop strings are non-empty strings")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
-                or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
+        _check_int("top_k", self.top_k, -1, MAX_INT32, " (0 or -1: off)")
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        if self.seed is not None:
+            _check_int("seed", self.seed, MIN_SEED, MAX_SEED, " or None")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_INT32, " or None")
+        self.stop = _str_list("stop", self.stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be True or "
+                             f"False")
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_int(name: str, value: object, low: int, high: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}]{note}")
+
+
+def _int_list(name: str, values: Any) -> list[int]:
+    """``values`` as a list of token ids (integers in [0, 2**63)); raises ``ValueError`` naming ``name``."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name}={values!r} must be a list of token ids")
+    out = list(values)
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT64:
+            raise ValueError(f"{name} contains {t!r}; token ids are integers >= 0")
+    return out
+
+
+def _str_list(name: str, values: Any) -> list[str]:
+    """``values`` (a string or strings) as a list of non-empty strings that UTF-8 can encode."""
+    if isinstance(values, str):
+        values = [values]
+    elif isinstance(values, (bytes, dict)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name}={values!r} must be a string or a list of strings")
+    out = list(values)
+    for s in out:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"{name} contains {s!r}; stop strings are non-empty strings")
+        check_text(name, s)
+    return out
+
+
+def check_text(name: str, text: str) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``text`` holds a lone surrogate (e.g. ``"\\ud800"`` from a JSON
+    escape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} contains a lone surrogate {text[e.start]!r} at character {e.start}; text must "
+                         f"be valid Unicode") from None

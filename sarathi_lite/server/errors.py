@@ -15,36 +15,41 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sarathi_lite.engine.async_engine import EngineDeadError
+from sarathi_lite.engine.errors import EngineDeadError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
-_PARAM = re.compile(r"^(?:request '[^']*': )?(\w+)=")
+_PARAM = re.compile(r"^(?:request '[^']*': )?(\w+)(?:=| contains )")
 
 
 class APIError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def to_api_error(exc: BaseException, param: str | None = None) -> APIError:
     """The ``APIError`` of any exception: ``ValueError`` is the client's (400, ``param`` from the message's
-    ``name=`` prefix unless given), ``EngineDeadError`` is 503, anything else 500."""
+    ``name=`` or ``name contains`` prefix, else ``param``), ``QueueFullError`` 503 with ``Retry-After``,
+    ``EngineDeadError`` 503, anything else 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValueError):
         match = _PARAM.match(str(exc))
-        return APIError(400, str(exc), param=param or (match.group(1) if match else None))
+        return APIError(400, str(exc), param=match.group(1) if match else param)
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), type="server_error", code="queue_full",
+                        headers={"Retry-After": str(max(1, round(exc.retry_after)))})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
@@ -57,7 +62,8 @@ def sse_error(exc: BaseException) -> str:
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    # a union field reports one error per member type: the one our own checks raised says most
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]

@@ -7,13 +7,23 @@ ones vLLM also takes: ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_id
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 
 MAX_TOP_LOGPROBS = 20
+
+
+def _valid_text(text: str) -> str:
+    check_text("the text", text)
+    return text
+
+
+# Every string of a body: JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer (and no UTF-8
+# response) can take; they are 400s naming the field.
+Text = Annotated[str, AfterValidator(_valid_text)]
 
 
 class _Strict(BaseModel):
@@ -26,16 +36,16 @@ class StreamOptions(_Strict):
 
 
 class _SamplingRequest(_Strict):
-    model: str
+    model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1, le=1)
-    user: str | None = None
+    user: Text | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -62,7 +72,7 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or token ids (a one-element list of either also works)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
@@ -70,13 +80,13 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -1,0 +1,97 @@
+"""Property-based fuzzing of the OpenAPI schema the server publishes (hypothesis): bodies drawn from
+each POST route's request schema, and mutations of them (a field replaced by any JSON value, a required field
+dropped, strings with lone surrogates). Properties: never a 5xx, every error in OpenAI's shape, and the engine
+still serves a normal request after each example. Bounded: a short context (every drawn request finishes in a
+few dozen tiny steps) and a fixed number of examples."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sarathi_lite.server import ServerConfig
+from tests.conftest import TINY, make_tiny_checkpoint
+from tests.live_server import MODEL, assert_openai_error, serve_in_thread
+from tests.schema_strategy import from_schema
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+ENGINE = dict(chunk_size=32, block_size=4, num_kv_blocks=128, max_num_seqs=8, max_model_len=48, device="cpu")
+EXAMPLES = 100  # per route
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                  max_size=3), max_leaves=6)
+SURROGATE_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=3),
+                           st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = save_tiny_tokenizer(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("fuzz") / "llama"),
+                               TINY["vocab_size"])
+    with serve_in_thread(path, ServerConfig(request_timeout=60.0), **ENGINE) as url:
+        yield url
+
+
+def body_schema(openapi: dict, route: str) -> dict:
+    """The JSON schema of ``route``'s request body (its ``$ref``s point into ``openapi``)."""
+    return openapi["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+@st.composite
+def mutated(draw, valid: st.SearchStrategy) -> dict:
+    """A body valid per the schema, then often broken in one place."""
+    body = draw(valid)
+    body["model"] = draw(st.sampled_from([MODEL, MODEL, MODEL, body.get("model", MODEL)]))
+    how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "replace", "drop", "surrogate"]))
+    keys = sorted(body)
+    if how == "runnable":  # a prompt the engine takes, so the other fields reach it more often
+        body["prompt" if "prompt" in body else "messages"] = draw(st.sampled_from(
+            ["hello", [5, 6, 7], ["hi"], [[8, 9]]] if "prompt" in body else [[{"role": "user", "content": "hi"}]]))
+    elif how == "replace" and keys:
+        body[draw(st.sampled_from(keys))] = draw(JSON)
+    elif how == "drop" and keys:
+        body.pop(draw(st.sampled_from(keys)))
+    elif how == "surrogate":
+        body[draw(st.sampled_from(["prompt", "stop", "user", "model", "messages"]))] = draw(SURROGATE_TEXT)
+    return body
+
+
+def check_route(url: str, route: str, body: dict) -> int:
+    raw = json.dumps(body)  # lone surrogates travel as "\ud800" escapes, as a client's JSON would carry them
+    r = httpx.post(f"{url}{route}", content=raw, headers={"content-type": "application/json"}, timeout=90)
+    assert r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code >= 400:
+        assert_openai_error(r, r.status_code)
+    elif body.get("stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), r.text
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
+    ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2,
+                                                   "ignore_eos": True}, timeout=90)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2, ok.text
+    return r.status_code
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_bodies_never_get_a_5xx_and_the_engine_keeps_serving(server, route):
+    openapi = httpx.get(f"{server}/openapi.json").json()
+    valid = from_schema(body_schema(openapi, route), openapi)
+    statuses: list[int] = []
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(body=mutated(valid))
+    def fuzz(body: dict) -> None:
+        statuses.append(check_route(server, route, body))
+
+    fuzz()
+    assert httpx.get(f"{server}/health").status_code == 200
+    # the fuzzing reached both the engine and the validation: neither (nearly) all rejected nor all accepted
+    assert statuses.count(200) >= EXAMPLES // 10 and sum(400 <= s < 500 for s in statuses) >= EXAMPLES // 5, \
+        sorted(statuses)
