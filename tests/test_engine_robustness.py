@@ -47,7 +47,7 @@ def run_all(engine: LLMEngine) -> dict[str, object]:
 
 def assert_idle(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.num_used_blocks == 0
-    assert not engine._entries and not engine.runner.sampler._generators
+    assert not len(engine.outputs) and not engine.runner.sampler._generators
 
 
 # The five requests that passed validation on main and then raised inside the sampler, stopping the engine for

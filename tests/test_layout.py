@@ -45,6 +45,8 @@ FUNCTION_IMPORTS = (
      "the built-in model's one-time GGUF conversion: resolving a model name stays torch-free"),
     ("sarathi_lite.engine.llm_engine", ("sarathi_lite.sim",),
      "removed at merge: cost models move to sarathi_lite.costs"),
+    ("sarathi_lite.server", ("sarathi_lite.server.app", "uvicorn", "h11"),
+     "the server package's limits and flags import without FastAPI; the app and uvicorn's protocol load on use"),
 )
 
 TORCH_FREE = ("sarathi_lite", "sarathi_lite.scheduler", "sarathi_lite.metrics", "sarathi_lite.engine.config",

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
 from sarathi_lite.engine.errors import EngineDeadError
+from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
