@@ -11,8 +11,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=["sarathi_lite", "sarathi_lite.models", "sarathi_lite.engine", "sarathi_lite.bench",
-              "sarathi_lite.bench.traces", "sarathi_lite.sim", "sarathi_lite.cli", "sarathi_lite.scheduler",
-              "sarathi_lite.kernels", "sarathi_lite.server"],
+              "sarathi_lite.bench.traces", "sarathi_lite.costs", "sarathi_lite.sim", "sarathi_lite.cli",
+              "sarathi_lite.scheduler", "sarathi_lite.kernels", "sarathi_lite.server"],
     package_data={"sarathi_lite.bench.traces": ["*.csv", "README.md", "LICENSE"]},
     package_dir={
         "sarathi_lite": "sarathi_lite",

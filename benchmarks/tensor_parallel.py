@@ -34,10 +34,10 @@ from sarathi_lite import LLMEngine, SamplingParams
 from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs.roofline import roofline
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.roofline import roofline
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,17 +20,20 @@ ALLOWED = {
     "kernels": set(),
     "metrics": set(),
     "models": {"kernels"},
-    "engine": {"scheduler", "kernels", "models", "metrics"},
+    "costs": {"scheduler", "metrics", "models"},
+    "engine": {"scheduler", "kernels", "models", "metrics", "costs"},
     "bench": {"scheduler", "metrics", "engine"},
-    "sim": {"scheduler", "metrics", "models", "engine", "bench"},
+    "sim": {"scheduler", "metrics", "models", "engine", "bench", "costs"},
     "server": {"engine"},
-    "cli": {"scheduler", "metrics", "engine", "bench", "sim"},
+    "cli": {"scheduler", "metrics", "engine", "bench", "sim", "costs"},
     "__main__": {"cli"},
 }
 
 TORCH_FREE = ("sarathi_lite", "sarathi_lite.scheduler", "sarathi_lite.metrics", "sarathi_lite.engine.config",
               "sarathi_lite.models.config", "sarathi_lite.bench.workload", "sarathi_lite.bench.results",
               "sarathi_lite.bench.capacity", "sarathi_lite.bench.plots", "sarathi_lite.bench.traces",
+              "sarathi_lite.costs", "sarathi_lite.costs.base", "sarathi_lite.costs.memory",
+              "sarathi_lite.costs.profiled", "sarathi_lite.costs.roofline", "sarathi_lite.costs.spec",
               "sarathi_lite.sim.simulator", "sarathi_lite.sim.cost_model", "sarathi_lite.sim.roofline",
               "sarathi_lite.cli")
 

@@ -273,8 +273,8 @@ def _decode_batch(num: int, context: int):
 
 
 def test_roofline_divides_work_by_n_and_adds_two_all_reduces_per_layer():
-    from sarathi_lite.sim.roofline import RooflineCostModel, hardware, model_shape
-    from sarathi_lite.sim.simulator import load_cost_model
+    from sarathi_lite.costs import load_cost_model
+    from sarathi_lite.costs.roofline import RooflineCostModel, hardware, model_shape
 
     _, cfg = model_shape("llama3-70b")
     h100 = hardware("h100")

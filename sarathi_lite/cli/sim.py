@@ -32,9 +32,9 @@ from sarathi_lite.cli.common import (
     save_comparison,
     slo_from_args,
 )
+from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.engine.config import SCHEDULER_FIELDS
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.cost_model import CostModel
 
 # What profile does not take: the scheduler's settings (it times batches it builds itself, and calibrates at
 # the profiler's own chunk size) and the records' options.
@@ -42,7 +42,7 @@ _PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "recor
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    cost_model = sim.load_cost_model(args.cost_model)
+    cost_model = load_cost_model(args.cost_model)
     if args.validate:
         return _validate(args, cost_model)
     workload = build_workload(args)
