@@ -71,13 +71,17 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 64},
     "mistral-7b": {**_LLAMA3_8B, "model_type": "mistral", "vocab_size": 32768, "max_position_embeddings": 32768,
                    "rope_theta": 1e6, "sliding_window": None},
+    "yi-34b": {**_LLAMA3_8B, "vocab_size": 64000, "hidden_size": 7168, "intermediate_size": 20480,
+               "num_hidden_layers": 60, "num_attention_heads": 56, "max_position_embeddings": 4096,
+               "rope_theta": 5e6},
     "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                      "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
                      "tie_word_embeddings": True},
 }
 """Shapes (weights are irrelevant here) of Meta-Llama-3-8B, Llama-3.1-8B (the same with 128k context; RoPE scaling
-does not change the cost), Meta-Llama-3-70B, Mistral-7B-v0.3 and SmolLM2-135M-Instruct."""
+does not change the cost), Meta-Llama-3-70B, Mistral-7B-v0.3, Yi-34B (01-ai/Yi-34B: 60 layers, hidden 7168, 56
+query and 8 KV heads, MLP 20480, vocabulary 64000) and SmolLM2-135M-Instruct."""
 
 
 _DTYPE_NAMES = {1: "fp8", 2: "bfloat16", 4: "float32"}
