@@ -38,6 +38,8 @@ setup(
         "bench": ["pandas>=2", "matplotlib>=3.7"],
         # the OpenAI-compatible server (sarathi-lite serve) and the HTTP benchmark client (bench --backend openai)
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27"],
+        # sarathi_lite.sim.sweep's Ray backend (a local process pool needs nothing)
+        "ray": ["ray>=2.40"],
     },
     entry_points={"console_scripts": ["sarathi-lite=sarathi_lite.cli:main"]},
 )

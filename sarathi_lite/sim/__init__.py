@@ -5,3 +5,7 @@ Everything here but ``profiler`` is torch-free. The cost models themselves moved
 the engine); ``sarathi_lite.sim.cost_model``, ``sarathi_lite.sim.roofline`` and ``sarathi_lite.sim.simulator``
 still re-export what they held.
 """
+
+from sarathi_lite.sim.sweeps import sweep
+
+__all__ = ["sweep"]
