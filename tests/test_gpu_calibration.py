@@ -43,8 +43,8 @@ KNOWN_ROWS = [
     ("a100", LLAMA3_70B, 16384, 4, OPERATORS, 34.4932),
     ("a100", PHI2, 256, 1, PHI2_OPS, 0.2890),
 ]
-# (gpu, GPUs, bytes, measured ms) from network/<gpu>_dgx/all_reduce.csv
-KNOWN_ALL_REDUCES = [("a100", 2, 19922944, 0.9210), ("a100", 8, 134217728, 2.9570), ("h100", 2, 19922944, 0.0500),
+# (gpu, GPUs, bytes, measured ms) from network/<gpu>_dgx/all_reduce.csv, all GPUs in one node
+KNOWN_ALL_REDUCES = [("a100", 2, 19922944, 0.1000), ("a100", 8, 134217728, 0.6750), ("h100", 2, 19922944, 0.0500),
                      ("h100", 8, 19922944, 0.0880)]
 
 

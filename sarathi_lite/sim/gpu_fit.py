@@ -37,7 +37,7 @@ from sarathi_lite.costs.roofline import Hardware
 from sarathi_lite.sim.cost_model import nnls
 
 MS = 1e-3
-COLLECTIVE_KNOTS = 40
+COLLECTIVE_KNOTS = 80
 """Log-spaced (and as many evenly spaced) message sizes kept per measured collective curve (4 kB to 128 MB in
 Vidur's files)."""
 
@@ -124,13 +124,17 @@ def fit_families(tables: Sequence[ProfileTable]) -> dict[str, tuple[float, ...]]
 
 def read_collective(path: str | Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """A Vidur network file: per number of GPUs, message bytes (``2 * size``: float16 elements) and the median
-    seconds of repeated rows, sorted by size."""
+    seconds of repeated rows, sorted by size. Only rows with every GPU in one node (``devices_per_node ==
+    num_workers``, the tensor-parallel case) count: the files also time the same collectives across nodes."""
     by: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     with Path(path).open() as f:
         reader = csv.DictReader(f)
         col = next(c for c in reader.fieldnames or () if c.startswith("time_stats.") and c.endswith(".median"))
         for r in reader:
-            by[int(r["num_workers"])][2 * int(r["size"])].append(float(r[col]) * MS)
+            workers = int(r["num_workers"])
+            if int(r.get("devices_per_node") or workers) != workers:
+                continue
+            by[workers][2 * int(r["size"])].append(float(r[col]) * MS)
     return {w: (np.array(sorted(d), dtype=float), np.array([statistics.median(d[s]) for s in sorted(d)]))
             for w, d in sorted(by.items())}
 
