@@ -145,8 +145,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out, index=False)
-    shown = [c for c in ("workload", "cost_model", "config", "offered_qps", "tbt_slo", "capacity", "tbt_p99", "ttft_p50",
-                         "meets_slo") if c in frame]
+    shown = [c for c in ("workload", "cost_model", "config", "offered_qps", "tbt_slo", "capacity", "tbt_p99",
+                         "ttft_p50", "meets_slo") if c in frame]
     print(frame[shown].to_string(index=False))
     print(f"wrote {len(frame)} rows to {out}")
     return 0
