@@ -23,9 +23,9 @@ non-decreasing in tokens):
   bytes at log-spaced sizes, per number of GPUs, made non-decreasing and interpolated linearly; the logits'
   gather costs an all-reduce of half its bytes (a ring all-gather moves half what a ring all-reduce does).
 
-Attention is NOT measured (Vidur's attention files were not available). It stays analytic: the roofline's FLOPs
-and bytes (``RooflineCostModel.work``), priced at the FLOP/s and bandwidth the fitted matrix multiplications
-attain on the same GPU, plus one launch floor per layer. ``attention_share`` tells how much of a step that is;
+Attention is NOT measured (Vidur's attention files were not available). It stays analytic, priced as the
+uncalibrated roofline prices it (``RooflineCostModel.work``'s FLOPs and bytes at 0.7 of peak FLOP/s and 0.85 of
+peak bandwidth), plus one measured launch floor per layer. ``attention_share`` tells how much of a step that is;
 docs/gpu_calibration.md bounds it for typical batches.
 """
 
@@ -241,12 +241,11 @@ class CalibratedCostModel(RooflineCostModel):
         return self.model.num_layers * layer + once + head
 
     def attention_time(self, out: SchedulerOutput) -> float:
-        """Seconds of attention (analytic): the roofline's attention FLOPs and bytes at the FLOP/s a large fitted
-        projection attains and the bandwidth a one-token projection attains (``gemm_flops``, ``gemm_bandwidth``),
-        plus one launch floor per layer."""
+        """Seconds of attention (analytic, not measured): the uncalibrated roofline's (its FLOPs and bytes at
+        ``flops_efficiency`` of peak FLOP/s and ``bandwidth_efficiency`` of peak bandwidth) plus one measured
+        kernel launch floor (the projections') per layer."""
         _, _, flops, nbytes = self.work(out)
-        cal = self.calibration
-        return self.model.num_layers * self._gemm_floor + max(flops / cal.gemm_flops, nbytes / cal.gemm_bandwidth)
+        return self.model.num_layers * self._gemm_floor + max(flops / self._flops, nbytes / self._bandwidth)
 
     def comm_time(self, out: SchedulerOutput) -> float:
         """Seconds of the collectives: two all-reduces of the ``[T, hidden]`` activations per layer and a gather
