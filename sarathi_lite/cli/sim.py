@@ -157,9 +157,11 @@ def add_sim_parsers(sub: Any) -> None:
     s = sub.add_parser("sim", help="simulate a workload under several scheduler configurations (no model run)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--cost-model", required=True,
-                   help="profile JSON (sarathi-lite profile) or roofline:HW[:MODEL], HW one of a100-80gb, h100, "
-                        "h200, or NxHW for tensor parallelism over N (e.g. 4xh100); MODEL a preset (llama3-8b, "
-                        "llama3.1-8b, llama3-70b, mistral-7b, smollm2-135m) or a config.json / folder")
+                   help="profile JSON (sarathi-lite profile) or roofline:HW[:MODEL] (calibrated on measured GPU "
+                        "timings for a100-80gb and h100; roofline-uncalibrated:HW[:MODEL] for the analytic formula), "
+                        "HW one of a100-80gb, h100, h200, or NxHW for tensor parallelism over N (e.g. 4xh100); MODEL "
+                        "a preset (llama3-8b, llama3.1-8b, llama3-70b, mistral-7b, yi-34b, smollm2-135m) or a "
+                        "config.json / folder")
     add_workload_args(s)
     add_sweep_args(s)
     s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
