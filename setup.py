@@ -11,9 +11,10 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=["sarathi_lite", "sarathi_lite.models", "sarathi_lite.engine", "sarathi_lite.bench",
-              "sarathi_lite.bench.traces", "sarathi_lite.sim", "sarathi_lite.cli", "sarathi_lite.scheduler",
-              "sarathi_lite.kernels", "sarathi_lite.server"],
-    package_data={"sarathi_lite.bench.traces": ["*.csv", "README.md", "LICENSE"]},
+              "sarathi_lite.bench.traces", "sarathi_lite.costs", "sarathi_lite.sim", "sarathi_lite.cli",
+              "sarathi_lite.scheduler", "sarathi_lite.kernels", "sarathi_lite.server"],
+    package_data={"sarathi_lite.bench.traces": ["*.csv", "README.md", "LICENSE"],
+                  "sarathi_lite.costs": ["data/*.json", "data/README.md", "data/LICENSE"]},
     package_dir={
         "sarathi_lite": "sarathi_lite",
         "sarathi_lite.scheduler": "scheduler",
@@ -37,6 +38,8 @@ setup(
         "bench": ["pandas>=2", "matplotlib>=3.7"],
         # the OpenAI-compatible server (sarathi-lite serve) and the HTTP benchmark client (bench --backend openai)
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27"],
+        # sarathi_lite.sim.sweep's Ray backend (a local process pool needs nothing)
+        "ray": ["ray>=2.40"],
     },
     entry_points={"console_scripts": ["sarathi-lite=sarathi_lite.cli:main"]},
 )

@@ -39,6 +39,7 @@ import numpy as np
 from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import BenchResult, host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
 
 FIXED = (32, 64, 128, 256, 512, 1024, 2048)
@@ -94,7 +95,7 @@ def gaps_over(result: BenchResult, slo: float) -> float:
 
 
 def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FIXED) -> dict[str, Any]:
-    cost = sim.load_cost_model(setup.cost_model)
+    cost = load_cost_model(setup.cost_model)
     wl = workload(setup, trace)
     slo = SLO(setup.tbt_slo)
     # The paper's budget filling (first come, first served) and no prefix cache, for every configuration alike:

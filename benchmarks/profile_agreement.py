@@ -41,8 +41,8 @@ import torch
 from sarathi_lite.bench.replay import build_engine, warm_up
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs.profiled import TERMS, ProfiledCostModel, batch_terms
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel, batch_terms
 from sarathi_lite.sim.profiler import (
     CALIBRATION_CHUNK_SIZE,
     calibrate,

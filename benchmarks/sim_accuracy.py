@@ -44,10 +44,11 @@ import torch
 from sarathi_lite.bench import replay as bench
 from sarathi_lite.bench.results import BenchResult, config_label, save_results
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs.profiled import ProfiledCostModel, batch_terms
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.cost_model import ProfiledCostModel, ReplayCostModel, batch_terms
+from sarathi_lite.sim.cost_model import ReplayCostModel
 from sarathi_lite.sim.profiler import BatchShape, time_outputs
 
 METRICS = (  # name, summary key, scale, unit, format

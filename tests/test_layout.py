@@ -21,11 +21,12 @@ ALLOWED = {
     "kernels": set(),
     "metrics": set(),
     "models": {"kernels"},
-    "engine": {"scheduler", "kernels", "models", "metrics"},
+    "costs": {"scheduler", "metrics", "models"},
+    "engine": {"scheduler", "kernels", "models", "metrics", "costs"},
     "bench": {"scheduler", "metrics", "engine"},
-    "sim": {"scheduler", "metrics", "models", "engine", "bench"},
+    "sim": {"scheduler", "metrics", "models", "engine", "bench", "costs"},
     "server": {"engine"},
-    "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server"},
+    "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server", "costs"},
     "__main__": {"cli"},
 }
 
@@ -43,8 +44,6 @@ FUNCTION_IMPORTS = (
      "the tokenizer: transformers loads only for a checkpoint that ships one"),
     ("sarathi_lite.models.builtin", ("torch", "safetensors", "transformers"),
      "the built-in model's one-time GGUF conversion: resolving a model name stays torch-free"),
-    ("sarathi_lite.engine.llm_engine", ("sarathi_lite.sim",),
-     "removed at merge: cost models move to sarathi_lite.costs"),
     ("sarathi_lite.server", ("sarathi_lite.server.app", "uvicorn", "h11"),
      "the server package's limits and flags import without FastAPI; the app and uvicorn's protocol load on use"),
 )
@@ -52,6 +51,9 @@ FUNCTION_IMPORTS = (
 TORCH_FREE = ("sarathi_lite", "sarathi_lite.scheduler", "sarathi_lite.metrics", "sarathi_lite.engine.config",
               "sarathi_lite.models.config", "sarathi_lite.bench.workload", "sarathi_lite.bench.results",
               "sarathi_lite.bench.capacity", "sarathi_lite.bench.plots", "sarathi_lite.bench.traces",
+              "sarathi_lite.costs", "sarathi_lite.costs.base", "sarathi_lite.costs.memory",
+              "sarathi_lite.costs.profiled", "sarathi_lite.costs.roofline", "sarathi_lite.costs.spec",
+              "sarathi_lite.costs.calibrated", "sarathi_lite.sim.gpu_fit",
               "sarathi_lite.sim.simulator", "sarathi_lite.sim.cost_model", "sarathi_lite.sim.roofline",
               "sarathi_lite.cli")
 

@@ -10,7 +10,7 @@ import pytest
 
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.cli import main
-from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel
+from sarathi_lite.costs.profiled import TERMS, ProfiledCostModel
 
 WORKLOAD = ["--lengths", "uniform:8-60:2-12", "--num-requests", "12", "--qps", "20"]
 
@@ -122,7 +122,8 @@ def test_profile_grid_pins_every_cost_term(quick):
     rank: no term can trade exactly against another."""
     import numpy as np
 
-    from sarathi_lite.sim.cost_model import batch_terms, design_matrix
+    from sarathi_lite.costs.profiled import batch_terms
+    from sarathi_lite.sim.cost_model import design_matrix
     from sarathi_lite.sim.profiler import grid_knots, profile_grid
 
     rng = np.random.default_rng(0)

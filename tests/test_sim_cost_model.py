@@ -9,21 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sarathi_lite.costs import load_cost_model
+from sarathi_lite.costs.profiled import TERMS, ProfiledCostModel, batch_terms, token_basis
+from sarathi_lite.costs.roofline import HARDWARE, MODEL_SHAPES, RooflineCostModel, _keys_seen, model_shape, roofline
 from sarathi_lite.metrics import IterationRecord
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
-from sarathi_lite.sim.cost_model import (
-    TERMS,
-    ProfiledCostModel,
-    ReplayCostModel,
-    batch_terms,
-    fit_profile,
-    fit_quality,
-    nnls,
-    token_basis,
-)
-from sarathi_lite.sim.roofline import HARDWARE, MODEL_SHAPES, RooflineCostModel, _keys_seen, model_shape, roofline
-from sarathi_lite.sim.simulator import load_cost_model
+from sarathi_lite.sim.cost_model import ReplayCostModel, fit_profile, fit_quality, nnls
 
 REPO = Path(__file__).resolve().parents[1]
 

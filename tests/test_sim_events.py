@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from sarathi_lite.bench.workload import RequestSpec, Workload
+from sarathi_lite.costs import ProfiledCostModel
 from sarathi_lite.scheduler import SchedulerConfig
-from sarathi_lite.sim.cost_model import ProfiledCostModel
 from sarathi_lite.sim.simulator import scheduler_config, simulate
 
 ONE_SECOND = ProfiledCostModel((1, 2), (1.0, 1.0))  # every step takes 1 s
@@ -116,7 +116,7 @@ def test_a_request_longer_than_max_model_len_is_refused_before_simulating():
 
 
 def test_the_simulator_does_not_import_torch():
-    code = ("import sys\nfrom sarathi_lite.sim.simulator import load_cost_model, run\n"
+    code = ("import sys\nfrom sarathi_lite.costs import load_cost_model\nfrom sarathi_lite.sim.simulator import run\n"
             "from sarathi_lite.bench.workload import Workload\n"
             "wl = Workload.synthetic('uniform:8-64:2-8', num_requests=20, qps=50.0)\n"
             "run(wl, load_cost_model('roofline:h100:llama3-8b'), policies=['sarathi', 'vllm'], chunk_sizes=[32])\n"

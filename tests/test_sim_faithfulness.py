@@ -25,11 +25,11 @@ from sarathi_lite.bench import replay as bench
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli import main
+from sarathi_lite.costs import ProfiledCostModel, roofline
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.model_runner import ModelRunner
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
-from sarathi_lite.sim.cost_model import ProfiledCostModel, ReplayCostModel
-from sarathi_lite.sim.roofline import roofline
+from sarathi_lite.sim.cost_model import ReplayCostModel
 from sarathi_lite.sim.simulator import run as sim_run
 from sarathi_lite.sim.simulator import simulate
 from sarathi_lite.sim.validate import validate

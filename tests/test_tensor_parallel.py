@@ -273,8 +273,8 @@ def _decode_batch(num: int, context: int):
 
 
 def test_roofline_divides_work_by_n_and_adds_two_all_reduces_per_layer():
-    from sarathi_lite.sim.roofline import RooflineCostModel, hardware, model_shape
-    from sarathi_lite.sim.simulator import load_cost_model
+    from sarathi_lite.costs import load_cost_model
+    from sarathi_lite.costs.roofline import RooflineCostModel, hardware, model_shape
 
     _, cfg = model_shape("llama3-70b")
     h100 = hardware("h100")
@@ -298,7 +298,7 @@ def test_roofline_divides_work_by_n_and_adds_two_all_reduces_per_layer():
                                                        + a["comm_time"])
     one = RooflineCostModel(model_shape("llama3-8b")[1], h100)
     assert one.comm_time(out) == 0.0 and one.describe()["tensor_parallel_size"] == 1
-    spec = load_cost_model("roofline:8xh100:llama3-70b")
+    spec = load_cost_model("roofline-uncalibrated:8xh100:llama3-70b")
     assert spec.tensor_parallel_size == 8 and spec.predict(out) == tp8.predict(out)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=64"):
         RooflineCostModel(cfg, h100, tensor_parallel_size=3)

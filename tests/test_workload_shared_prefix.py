@@ -10,7 +10,7 @@ import torch
 
 from sarathi_lite.bench import replay as bench
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.sim.cost_model import ProfiledCostModel
+from sarathi_lite.costs import ProfiledCostModel
 from sarathi_lite.sim.simulator import simulate
 
 from .test_sim_faithfulness import batches, scheduler_config

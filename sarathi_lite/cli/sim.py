@@ -8,6 +8,8 @@ scheduler-side engine flags, plus ``--cost-model`` (a profile JSON from ``sarath
 ``--chunk-size auto`` (or ``auto`` among ``--chunk-sizes``) picks every budget from ``--cost-model`` itself.
 profile: time this machine's model runner over a grid of batch shapes and save the fitted cost model
 (``--quick``: about a third of the grid).
+sweep: every trace x rate x cost model x configuration (x SLO) on a local process pool or a Ray cluster
+(``sarathi_lite.sim.sweep``), written as one CSV.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sarathi_lite.cli.common import (
     add_workload_args,
     apply_threads,
     build_workload,
+    csv_of,
     engine_config,
     engine_options,
     policies,
@@ -35,9 +38,10 @@ from sarathi_lite.cli.common import (
     save_comparison,
     slo_from_args,
 )
+from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.engine.config import OPTIONS, SCHEDULER_FIELDS
+from sarathi_lite.scheduler import CHUNKED_POLICIES
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.cost_model import CostModel
 from sarathi_lite.sim.validate import validate
 
 # What profile does not take: the scheduler's settings (it times batches it builds itself, and calibrates at
@@ -47,7 +51,7 @@ _PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "recor
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    cost_model = sim.load_cost_model(args.cost_model)
+    cost_model = load_cost_model(args.cost_model)
     if args.validate:
         return _validate(args, cost_model)
     workload = build_workload(args)
@@ -121,14 +125,42 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sarathi_lite.bench.capacity import SLO
+    from sarathi_lite.sim.sweeps import sweep
+
+    workloads = {}
+    for trace in args.traces or [args.trace]:
+        args.trace = trace
+        workloads[Path(trace).stem] = build_workload(args)
+    configs = [(policy, chunk) for policy in policies(args)
+               for chunk in ((args.chunk_sizes or [512]) if policy in CHUNKED_POLICIES else [None])]
+    slos = [SLO(t, args.max_scheduling_delay) for t in args.tbt_slos or []]
+    capacity = (args.qps_low, args.qps_high, args.probes) if args.capacity else None
+    frame = sweep(workloads, args.cost_models, configs, slos, qps=args.qps_list, capacity=capacity,
+                  backend=args.backend, address=args.address, workers=args.workers, progress=not args.no_progress)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out, index=False)
+    shown = [c for c in ("workload", "cost_model", "config", "offered_qps", "tbt_slo", "capacity", "tbt_p99",
+                         "ttft_p50", "meets_slo") if c in frame]
+    print(frame[shown].to_string(index=False))
+    print(f"wrote {len(frame)} rows to {out}")
+    return 0
+
+
 def add_sim_parsers(sub: Any) -> None:
-    """Add ``sim`` and ``profile`` to the ``sarathi-lite`` subcommands."""
+    """Add ``sim``, ``profile`` and ``sweep`` to the ``sarathi-lite`` subcommands."""
     s = sub.add_parser("sim", help="simulate a workload under several scheduler configurations (no model run)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--cost-model", required=True,
-                   help="profile JSON (sarathi-lite profile) or roofline:HW[:MODEL], HW one of a100-80gb, h100, "
-                        "h200, or NxHW for tensor parallelism over N (e.g. 4xh100); MODEL a preset (llama3-8b, "
-                        "llama3.1-8b, llama3-70b, mistral-7b, smollm2-135m) or a config.json / folder")
+                   help="profile JSON (sarathi-lite profile) or roofline:HW[:MODEL] (calibrated on measured GPU "
+                        "timings for a100-80gb and h100; roofline-uncalibrated:HW[:MODEL] for the analytic formula), "
+                        "HW one of a100-80gb, h100, h200, or NxHW for tensor parallelism over N (e.g. 4xh100); MODEL "
+                        "a preset (llama3-8b, llama3.1-8b, llama3-70b, mistral-7b, yi-34b, smollm2-135m) or a "
+                        "config.json / folder")
     add_workload_args(s)
     add_sweep_args(s)
     s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
@@ -160,3 +192,29 @@ def add_sim_parsers(sub: Any) -> None:
     add_threads_arg(p)
     add_engine_args(p, exclude=_PROFILE_EXCLUDES)
     p.set_defaults(func=cmd_profile)
+
+    w = sub.add_parser("sweep", help="simulate traces x rates x cost models x configurations x SLOs in parallel "
+                                     "(process pool or Ray); one CSV",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    w.add_argument("--cost-models", type=csv_of(str), required=True,
+                   help="comma-separated cost model specs (as sim --cost-model)")
+    add_workload_args(w)
+    w.add_argument("--traces", type=csv_of(str), default=None, help="comma-separated traces (default: --trace)")
+    w.add_argument("--qps-list", type=csv_of(float), default=None, help="comma-separated arrival rates (req/s)")
+    w.add_argument("--policy", default=None, help=argparse.SUPPRESS)
+    add_sweep_args(w)
+    w.add_argument("--tbt-slos", type=csv_of(float), default=None, help="comma-separated P99 TBT bounds (s)")
+    w.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
+    g = w.add_argument_group("capacity search (--capacity)")
+    g.add_argument("--capacity", action="store_true", help="per point and SLO, search the highest rate meeting it")
+    g.add_argument("--qps-low", type=float, default=0.1)
+    g.add_argument("--qps-high", type=float, default=2.0)
+    g.add_argument("--probes", type=int, default=8, help="simulations per capacity search")
+    r = w.add_argument_group("where it runs")
+    r.add_argument("--backend", choices=("process", "serial", "ray"), default=None,
+                   help="default: process, or ray when --address is given")
+    r.add_argument("--address", default=None, help="a Ray cluster's address (ray.init(address=...))")
+    r.add_argument("--workers", type=int, default=None, help="processes of the local pool (default: CPU count)")
+    r.add_argument("--no-progress", action="store_true")
+    w.add_argument("--out", default="results/sweep.csv", help="the CSV to write")
+    w.set_defaults(func=cmd_sweep)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.costs.memory import device_kv_budget as device_kv_budget  # re-exported: it moved to costs
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -334,12 +335,6 @@ class KVPool:
     block_size: int
     max_model_len: int
     kv_cache_memory: int | None = None
-
-
-def device_kv_budget(free_memory: int, total_memory: int, utilization: float) -> int:
-    """Bytes for the KV pool on a device with ``free_memory`` of ``total_memory`` bytes free once the weights
-    are loaded: the rest after keeping ``1 - utilization`` of the device, at least 1 GiB, for activations."""
-    return int(free_memory - max(total_memory * (1 - utilization), 1 << 30))
 
 
 def kv_pool(config: EngineConfig, *, kv_bytes_per_token: int | None, max_position_embeddings: int | None,

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from sarathi_lite.costs import load_cost_model
 from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
@@ -468,10 +469,6 @@ def _predictor(config: EngineConfig) -> Any:
     if config.chunk_size != "auto":
         return None
     if isinstance(config.cost_model, str):
-        # The cost models live in sim/, above the engine; loading one from its spec is the one use the engine
-        # makes of them, at construction, so it imports the loader here rather than at module level.
-        from sarathi_lite.sim.simulator import load_cost_model
-
         return load_cost_model(config.cost_model)
     return config.cost_model
 

@@ -34,10 +34,11 @@ import torch
 from tqdm.auto import tqdm
 
 from sarathi_lite.bench.replay import BatchShape, build_engine, machine, warm_up
+from sarathi_lite.costs.profiled import TERMS, ProfiledCostModel, batch_terms
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import Request, SchedulerConfig, SchedulerOutput, make_scheduler
-from sarathi_lite.sim.cost_model import TERMS, ProfiledCostModel, batch_terms, fit_profile, fit_quality, nnls
+from sarathi_lite.sim.cost_model import fit_profile, fit_quality, nnls
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ The simulator drives the very classes the engine uses (``sarathi_lite.scheduler`
 It returns the same ``BenchResult`` (and JSON schema) as the real-time replay, with ``meta["replay"] ==
 "simulated"``, so predicted and measured runs compare column by column and plot alike.
 
->>> from sarathi_lite.sim.simulator import load_cost_model, run
+>>> from sarathi_lite.costs import load_cost_model
+>>> from sarathi_lite.sim.simulator import run
 >>> from sarathi_lite.bench.workload import Workload
 >>> wl = Workload.from_trace("splitwise_conv.csv", num_requests=1000, qps=2.0)
 >>> results = run(wl, load_cost_model("roofline:h100:llama3-8b"), policies=["sarathi", "vllm"],
@@ -26,36 +27,23 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import CostModel
+
+# re-exported: the loader moved to costs (below the engine); benchmarks and notebooks call sim.load_cost_model
+from sarathi_lite.costs.spec import ROOFLINE_PREFIX as ROOFLINE_PREFIX
+from sarathi_lite.costs.spec import load_cost_model as load_cost_model
 from sarathi_lite.engine.config import EngineConfig, default_option
 from sarathi_lite.metrics import MetricsRecorder
 from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, StepTimePredictor, make_scheduler
-from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel
-from sarathi_lite.sim.roofline import roofline
 
-ROOFLINE_PREFIX = "roofline:"
 # Prompt token ids matter only to the prefix cache, through which of them are equal: the simulator draws them
 # from the workload (as the replay does) over this vocabulary.
 PROMPT_VOCAB = 32768
-
-
-def load_cost_model(spec: str | Path) -> CostModel:
-    """A cost model from ``spec``: a profile JSON file (``sarathi-lite profile``), or ``roofline:HW[:MODEL]``
-    with a hardware preset (``a100-80gb``, ``h100``, ``h200``; ``4xh100`` for tensor parallelism over 4 of them)
-    and a model shape preset (``llama3-8b``, the default; ``llama3.1-8b``, 128k context; ``llama3-70b``,
-    ``mistral-7b``, ``smollm2-135m``) or a Hugging Face config.json / checkpoint folder."""
-    text = str(spec)
-    if text.startswith(ROOFLINE_PREFIX):
-        hw, _, model = text[len(ROOFLINE_PREFIX):].partition(":")
-        return roofline(hw, model or "llama3-8b")
-    if not Path(text).is_file():
-        raise ValueError(f"cost model {text!r} is neither a profile JSON file nor roofline:HW[:MODEL]")
-    return ProfiledCostModel.load(text)
 
 
 def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | str | None, *,

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from sarathi_lite.bench.results import BenchResult
+from sarathi_lite.costs import CostModel, StepTiming
 from sarathi_lite.scheduler import SchedulerConfig, SchedulerOutput
-from sarathi_lite.sim.cost_model import CostModel, ReplayCostModel, StepTiming
+from sarathi_lite.sim.cost_model import ReplayCostModel
 from sarathi_lite.sim.simulator import simulate
 
 KINDS = ("decode-only", "chunk-only", "hybrid")

@@ -1,0 +1,19 @@
+"""Step-time cost models: how long one iteration takes, predicted from its ``SchedulerOutput`` alone.
+
+Below the engine (which asks one for ``chunk_size="auto"``) and the simulator (which runs on one); torch-free.
+
+- ``base``: the ``CostModel`` interface and ``StepTiming``;
+- ``profiled``: ``ProfiledCostModel``, fitted to one machine's model runner (``sarathi-lite profile``);
+- ``roofline``: ``RooflineCostModel``, a model's shape on a GPU's data-sheet figures;
+- ``memory``: ``device_kv_budget``, what a device's memory leaves for the KV pool;
+- ``spec``: ``load_cost_model(spec)``, from ``roofline:HW[:MODEL]`` or a profile JSON path.
+"""
+
+from sarathi_lite.costs.base import CostModel, StepTiming
+from sarathi_lite.costs.memory import device_kv_budget
+from sarathi_lite.costs.profiled import TERMS, ProfiledCostModel, batch_terms
+from sarathi_lite.costs.roofline import HARDWARE, MODEL_SHAPES, Hardware, RooflineCostModel, roofline
+from sarathi_lite.costs.spec import load_cost_model
+
+__all__ = ["HARDWARE", "MODEL_SHAPES", "TERMS", "CostModel", "Hardware", "ProfiledCostModel", "RooflineCostModel",
+           "StepTiming", "batch_terms", "device_kv_budget", "load_cost_model", "roofline"]
