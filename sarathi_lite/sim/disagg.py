@@ -9,6 +9,8 @@ decision is the real one; only the forward pass is a predicted step time.
 
 How a disaggregated request moves (the same steps as the real engine's, ``scheduler.kv_transfer``):
 
+Routing is ``sarathi_lite.routing``'s, the real router's.
+
 1. the router sends it to the prefill instance with the fewest pending prefill tokens, as a request with
    ``max_tokens=1``; a prefill instance has a connector that takes every finished request's KV, so when the
    prompt is done its blocks stay *held* (``KVCacheManager.hold``) and a ``KVSave`` comes out;
@@ -55,6 +57,7 @@ import numpy as np
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles
+from sarathi_lite.routing import Layout, pick_decode, route_arrival
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.scheduler.kv_transfer import KVSave
 from sarathi_lite.sim.cost_model import CostModel
@@ -269,16 +272,6 @@ class Instance:
         self.iterations: list[IterationRecord] = []
         self.label = f"{role}{index}"
 
-    def pending_prefill_tokens(self) -> int:
-        """Prompt tokens its unfinished requests have yet to compute (the router's prefill load)."""
-        return sum(r.num_prefill_tokens - r.num_computed_tokens for r in self.scheduler.requests.values())
-
-    def kv_demand(self) -> int:
-        """KV blocks in use (held ones included) plus those its waiting requests' prompts need (the router's decode
-        load)."""
-        kv = self.scheduler.kv
-        return kv.pool.num_used_blocks + sum(kv.blocks_for(r.num_prefill_tokens) for r in self.scheduler.waiting)
-
 
 @dataclass(slots=True)
 class DisaggResult:
@@ -341,6 +334,8 @@ class _Sim:
         for pool in deployment.pools:
             self.instances[pool.role] = [Instance(i, pool.role, pool) for i in range(pool.count)]
         self.all = [inst for role in ROLES for inst in self.instances[role]]
+        self.schedulers = tuple([inst.scheduler for inst in self.instances[role]] for role in ROLES)
+        self.layout = Layout(*(len(self.instances[role]) for role in ROLES), threshold=deployment.threshold)
         caching = any(inst.config.enable_prefix_caching for inst in self.all)
         self.prompts = workload.prompt_token_ids(PROMPT_VOCAB) if caching else None
         self.specs = {s.request_id: s for s in workload.requests}
@@ -397,23 +392,15 @@ class _Sim:
         rid = spec.request_id
         prompt = self.prompt_of[rid] or [0] * spec.prompt_len
         self.metrics[rid] = RequestMetrics(rid, spec.arrival_time, spec.prompt_len)
-        d = self.d
-        if d.colocated is not None:
-            inst = min(self.instances["colocated"], key=lambda i: (i.pending_prefill_tokens(), i.kv_demand(),
-                                                                   i.index))
-            max_tokens = spec.output_len
-        elif d.threshold is not None and spec.prompt_len <= d.threshold:
-            inst = self.pick_decode()
-            max_tokens = spec.output_len
-        else:
-            inst = min(self.instances["prefill"], key=lambda i: (i.pending_prefill_tokens(), i.index))
-            max_tokens = 1
+        role, index = route_arrival(spec.prompt_len, self.layout, *self.schedulers)
+        inst = self.instances[role][index]
+        max_tokens = 1 if role == "prefill" else spec.output_len
         inst.scheduler.add(Request(rid, prompt, max_tokens, frozenset(), spec.arrival_time))
         self.routes[rid] = [inst.label]
         self.wake(inst, t)
 
     def pick_decode(self) -> Instance:
-        return min(self.instances["decode"], key=lambda i: (i.kv_demand(), i.index))
+        return self.instances["decode"][pick_decode(self.schedulers[2])]
 
     def hand_over(self, t: float, source: Instance, save: KVSave) -> None:
         """A prefill finished and its blocks are held: give the request to a decode instance."""
