@@ -23,8 +23,9 @@ COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
 
 
 def pending_prefill_tokens(scheduler: Scheduler) -> int:
-    """Prompt tokens the unfinished requests of ``scheduler`` have yet to compute."""
-    return sum(r.num_prefill_tokens - r.num_computed_tokens for r in scheduler.requests.values())
+    """Prompt tokens the unfinished requests of ``scheduler`` have yet to compute (a decoding request, past its
+    prefill, counts 0)."""
+    return sum(max(r.num_prefill_tokens - r.num_computed_tokens, 0) for r in scheduler.requests.values())
 
 
 def kv_demand(scheduler: Scheduler) -> int:

@@ -258,3 +258,17 @@ def test_a_prefill_pool_full_of_blocks_being_sent_waits_instead_of_reporting_stu
     sched.update(out, {})  # its blocks come back when the send ends: not stuck
     sched.finish_kv_send("a")
     assert [s.request_id for s in sched.schedule().scheduled] == ["b"]
+
+
+def test_decoding_requests_add_no_prefill_load_and_replicas_share_the_traffic():
+    # r0 decodes for long on colocated0 (no prefill left: it counts 0, not negative); r1 arrives: both replicas
+    # have no pending prefill, so the KV blocks decide: colocated1, which holds none
+    r = simulate(deployment("2"), workload((0.0, 20, 50), (0.2, 20, 3)))
+    assert r.routes == {"r0": ("colocated0",), "r1": ("colocated1",)}
+    from collections import Counter
+
+    cm = load_cost_model("roofline:h100:llama3-8b")
+    wl = Workload.from_trace("conversation", num_requests=200, qps=20.0, max_prompt=7000, max_output=1000)
+    r = simulate(Deployment.parse("4", cm, options={"enable_prefix_caching": False}), wl)
+    counts = Counter(route[0] for route in r.routes.values())
+    assert len(counts) == 4 and max(counts.values()) < 2 * min(counts.values())
