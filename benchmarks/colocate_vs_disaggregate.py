@@ -8,7 +8,7 @@ memory counted on both sides) on H100 rooflines:
 - traces: conversation and arXiv (``--requests`` requests each, prompts clipped to 7,000 and outputs to 1,000
   tokens), Poisson arrivals;
 - total GPUs: 2, 4, 8 (a TP-4 instance takes 4: 4 GPUs is one colocated instance only, 8 is 2C against 1P1D);
-- organizations: colocated ``sarathi`` replicas (``nC``) at chunk 256, 512 and 1024 (the best per cell counts),
+- organizations: colocated ``sarathi`` replicas (``nC``) at chunk 256, 512, 1024 and 2048 (the best per cell counts),
   every xPyD split with prefill chunk 2048 and decode chunk 512, and every split conditional (prompts of at most
   ``--threshold`` tokens prefilled on the decode instance); KV over ``--link`` (InfiniBand NDR, 50 GB/s per GPU,
   by default), each TP rank sending its shard over its own link;
@@ -47,17 +47,18 @@ from sarathi_lite.sim.simulator import load_cost_model
 
 TTFT_SLOS = (0.25, 0.5, 1.0, 2.0, 5.0)
 TBT_SLOS = (0.015, 0.025, 0.05, 0.1)
-COLOCATED_CHUNKS = (256, 512, 1024)
+COLOCATED_CHUNKS = (256, 512, 1024, 2048)
 PREFILL_CHUNK = 2048
 DECODE_CHUNK = 512
 SETUPS = {
-    "llama3-8b": ("roofline:h100:llama3-8b", 1.0),
-    "llama3-70b-tp4": ("roofline:4xh100:llama3-70b", 0.125),
+    "llama3-8b": ("roofline:h100:llama3-8b", 2.0),
+    "llama3-70b-tp4": ("roofline:4xh100:llama3-70b", 0.25),
 }
 """name -> (cost model, lowest rate of the sweep in requests/s per GPU)."""
-RATE_STEPS = 15  # grid points: lowest * sqrt(2) ** k
+RATE_STEPS = 12  # grid points: lowest * sqrt(2) ** k
+PROBE_SECONDS = 15.0  # each probe's arrivals span at least this long (within the request limits)
 TIE = 0.05  # goodputs within 5% of each other: neither organization wins
-OPTIONS = {"enable_prefix_caching": False}  # the traces share no prefix
+OPTIONS = {"enable_prefix_caching": False, "max_num_seqs": 512}  # the traces share no prefix; seats never bind
 
 logger = logging.getLogger("colocate_vs_disaggregate")
 
@@ -88,7 +89,7 @@ def organizations(cm: CostModel, num_gpus: int, link: Link, threshold: int) -> t
     colocated = [Deployment.parse(f"{n}C", cm, chunk_size=c, options=OPTIONS) for c in COLOCATED_CHUNKS]
     disagg = []
     for x in range(1, n):
-        for thr in (None, threshold):
+        for thr in (None, threshold) if x <= n - x else (None,):
             disagg.append(Deployment.parse(f"{x}P{n - x}D", cm, chunk_size=DECODE_CHUNK,
                                            prefill_chunk_size=PREFILL_CHUNK, link=link, threshold=thr,
                                            options=OPTIONS))
@@ -101,12 +102,19 @@ def label_of(dep: Deployment) -> str:
     return dep.label
 
 
-def sweep(dep: Deployment, workload: Workload, lowest: float) -> RateSweep:
+def probe_workload(workload: Workload, qps: float, min_requests: int, max_requests: int) -> Workload:
+    """The first requests of ``workload`` at ``qps`` requests/s: enough for ``PROBE_SECONDS`` of arrivals, at
+    least ``min_requests`` and at most ``max_requests``."""
+    n = min(max(min_requests, math.ceil(qps * PROBE_SECONDS)), max_requests, len(workload))
+    return Workload(workload.requests[:n], workload.source, workload.seed).at_qps(qps)
+
+
+def sweep(dep: Deployment, workload: Workload, lowest: float, min_requests: int, max_requests: int) -> RateSweep:
     """Rates per GPU ``lowest * sqrt(2) ** k`` until even the loosest SLO cell falls below the attainment."""
     rates, results = [], []
     for k in range(RATE_STEPS):
         qps = lowest * math.sqrt(2) ** k * dep.num_gpus
-        result = simulate(dep, workload.at_qps(qps))
+        result = simulate(dep, probe_workload(workload, qps, min_requests, max_requests))
         rates.append(qps)
         results.append(result)
         if result.slo_attainment(max(TTFT_SLOS), max(TBT_SLOS)) < DEFAULT_ATTAINMENT:
@@ -157,16 +165,16 @@ def map_markdown(cells: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: Link,
-              threshold: int) -> dict[str, Any] | None:
+def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: Link, threshold: int,
+              limits: tuple[int, int]) -> dict[str, Any] | None:
     spec, lowest = SETUPS[setup]
     cm = load_cost_model(spec)
     colocated, disagg = organizations(cm, num_gpus, link, threshold)
     if not colocated:
         return None
     wall = time.perf_counter()
-    c_sweeps = [sweep(d, workload, lowest) for d in colocated]
-    d_sweeps = [sweep(d, workload, lowest) for d in disagg]
+    c_sweeps = [sweep(d, workload, lowest, *limits) for d in colocated]
+    d_sweeps = [sweep(d, workload, lowest, *limits) for d in disagg]
     cells = cell_map(Family("colocated", c_sweeps), Family("disaggregated", d_sweeps))
     logger.info("%s %s %d GPUs: %d organizations in %.0f s", setup, trace, num_gpus, len(colocated) + len(disagg),
                 time.perf_counter() - wall)
@@ -175,14 +183,14 @@ def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: L
                                                                   for a in TTFT_SLOS for b in TBT_SLOS},
                                  "transfer_time_p50": [r.summary()["transfer_time_p50"] for r in s.results]}
                        for s in c_sweeps + d_sweeps},
-            "_objects": (cm, colocated, disagg, c_sweeps, d_sweeps)}
+            "_objects": (cm, colocated, disagg, c_sweeps, d_sweeps, limits)}
 
 
 def bandwidth_sweep(entry: dict[str, Any], workload: Workload, bandwidths: Sequence[float],
                     cell: tuple[float, float] | None = None) -> dict[str, Any]:
     """Rerun the best disaggregated organization of ``cell`` (default: the cell where it wins by most) at each
     link bandwidth (bytes/s); its goodput per GPU against the best colocated one's there."""
-    cm, colocated, disagg, c_sweeps, d_sweeps = entry["_objects"]
+    cm, colocated, disagg, c_sweeps, d_sweeps, limits = entry["_objects"]
     cells = entry["cells"]
     if cell is None:
         best = max(cells.values(), key=lambda c: c["ratio"] or 0)
@@ -195,7 +203,7 @@ def bandwidth_sweep(entry: dict[str, Any], workload: Workload, bandwidths: Seque
     for bw in bandwidths:
         variant = Deployment(prefill=dep.prefill, decode=dep.decode, link=dep.link.scaled(bw),
                              threshold=dep.threshold, num_links=dep.num_links)
-        s = sweep(variant, workload, lowest)
+        s = sweep(variant, workload, lowest, *limits)
         good = s.goodput(*cell)
         transfer = [r.summary()["transfer_time_p50"] for r in s.results]
         rows.append({"bandwidth": bw, "goodput": good, "ratio": good / c["colocated_goodput"]
@@ -231,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--traces", nargs="+", default=["conversation", "arxiv"])
     p.add_argument("--gpus", nargs="+", type=int, default=[2, 4, 8])
-    p.add_argument("--requests", type=int, default=300, help="requests per trace (default 300)")
+    p.add_argument("--requests", type=int, default=300, help="fewest requests per probe (default 300)")
+    p.add_argument("--max-requests", type=int, default=3000,
+                   help=f"most requests per probe (default 3000); between the two, {PROBE_SECONDS:g} s of arrivals")
     p.add_argument("--link", default="infiniband", choices=list(LINKS))
     p.add_argument("--threshold", type=int, default=512, help="conditional: prompt tokens prefilled on decode")
     p.add_argument("--bandwidths", nargs="+", type=float, default=[450, 50, 12.5, 5, 2, 1, 0.5],
@@ -244,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.quick:
         args.setups, args.traces, args.gpus, args.requests = ["llama3-8b"], ["conversation"], [2], 100
+        args.max_requests = 300
         args.bandwidths = [50, 2, 0.5]
         args.sweep_at = ["llama3-8b", "conversation", "2", "auto"]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -252,12 +263,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     entries = []
     workloads = {}
     for trace in args.traces:
-        workloads[trace] = Workload.from_trace(trace, num_requests=args.requests, qps=1.0, max_prompt=7000,
-                                               max_output=1000)
+        workloads[trace] = Workload.from_trace(trace, num_requests=max(args.requests, args.max_requests), qps=1.0,
+                                               max_prompt=7000, max_output=1000)
     for setup in args.setups:
         for trace in args.traces:
             for g in args.gpus:
-                entry = run_setup(setup, trace, g, workloads[trace], link, args.threshold)
+                entry = run_setup(setup, trace, g, workloads[trace], link, args.threshold,
+                                  (args.requests, args.max_requests))
                 if entry is None:
                     continue
                 entries.append(entry)
@@ -273,8 +285,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("\n### Transfer bandwidth sweep\n")
         print(sweep_markdown(sweep_result))
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": host(),
-              "wall_time": time.perf_counter() - wall, "link": link.name, "requests": args.requests,
-              "threshold": args.threshold, "attainment": DEFAULT_ATTAINMENT,
+              "wall_time": time.perf_counter() - wall, "link": link.name,
+              "requests": [args.requests, args.max_requests], "threshold": args.threshold,
+              "attainment": DEFAULT_ATTAINMENT,
               "workloads": {t: w.describe() for t, w in workloads.items()},
               "maps": [{k: v for k, v in e.items() if k != "_objects"} for e in entries],
               "bandwidth_sweep": sweep_result}
