@@ -21,8 +21,13 @@ cell the winning organization and the ratio of the best disaggregated goodput (s
 best colocated one (> 1: disaggregation wins). The bandwidth sweep reruns the best disaggregated organization of
 a cell at lower link bandwidths until it stops beating colocation.
 
-    python benchmarks/colocate_vs_disaggregate.py                      # the whole study (minutes)
-    python benchmarks/colocate_vs_disaggregate.py --quick              # 8B, conversation, 2 GPUs, 100 requests
+    python benchmarks/colocate_vs_disaggregate.py --quick              # 8B, conversation, 2 GPUs: ~1 min
+    python benchmarks/colocate_vs_disaggregate.py --setups llama3-8b --traces conversation --gpus 2 \
+        --max-requests 1500                                            # one map and the bandwidth sweep: ~3 min
+    python benchmarks/colocate_vs_disaggregate.py                      # everything: over 40 min on 2 shared cores
+
+The maps in docs/disaggregation.md come from several such runs (the commands are listed there); 8 GPUs of
+Llama-3-8B (15 organizations, rates up to ~300 req/s) is the slow part.
 
 Prints the maps and the sweep as markdown and writes ``--out`` (default docs/colocate_vs_disaggregate.json).
 """

@@ -11,8 +11,8 @@ import pytest
 from sarathi_lite import LLM, SamplingParams
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.engine.disagg import DisaggregatedEngine
-from sarathi_lite.routing import Layout
 from sarathi_lite.scheduler import SchedulerOutput
+from sarathi_lite.scheduler.routing import Layout
 from sarathi_lite.sim.cost_model import CostModel, StepTiming
 from sarathi_lite.sim.disagg import Deployment, Link, PoolSpec, simulate
 

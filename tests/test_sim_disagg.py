@@ -286,3 +286,13 @@ def test_capacity_is_sarathi_serves_definition_over_the_deployment():
     found = capacity(dep, wl, SLO(tbt_p99=0.011, scheduling_delay_p50=0.05), qps_low=1, qps_high=1000, num_probes=6)
     assert found.capacity is not None and found.failed_above is not None
     assert all(p.passed == (p.scheduling_delay_p50 <= 0.05) for p in found.probes)
+
+
+def test_the_simulator_and_the_router_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport sarathi_lite.sim.disagg, sarathi_lite.scheduler.routing\n"
+            "assert 'torch' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

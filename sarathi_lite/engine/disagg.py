@@ -1,7 +1,7 @@
 """Disaggregated prefill/decode (and colocated replicas) behind one router, in one process.
 
 ``DisaggregatedEngine`` runs several ``LLMEngine`` instances on one set of loaded weights, each with its own KV
-pool, scheduler and policy options, and routes requests over them with ``sarathi_lite.routing`` (the rules the
+pool, scheduler and policy options, and routes requests over them with ``sarathi_lite.scheduler.routing`` (the rules the
 simulator uses):
 
 - colocated replicas (``"2"``): data parallel, each request served whole by one replica;
@@ -37,7 +37,7 @@ from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import Stats
-from sarathi_lite.routing import COLOCATED, DECODE, PREFILL, Layout, pick_decode, route_arrival
+from sarathi_lite.scheduler.routing import COLOCATED, DECODE, PREFILL, Layout, pick_decode, route_arrival
 
 _STORE_IDS = itertools.count()
 

@@ -9,7 +9,7 @@ decision is the real one; only the forward pass is a predicted step time.
 
 How a disaggregated request moves (the same steps as the real engine's, ``scheduler.kv_transfer``):
 
-Routing is ``sarathi_lite.routing``'s, the real router's.
+Routing is ``sarathi_lite.scheduler.routing``'s, the real router's.
 
 1. the router sends it to the prefill instance with the fewest pending prefill tokens, as a request with
    ``max_tokens=1``; a prefill instance has a connector that takes every finished request's KV, so when the
@@ -57,9 +57,9 @@ import numpy as np
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles
-from sarathi_lite.routing import Layout, pick_decode, route_arrival
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.scheduler.kv_transfer import KVSave
+from sarathi_lite.scheduler.routing import Layout, pick_decode, route_arrival
 from sarathi_lite.sim.cost_model import CostModel
 from sarathi_lite.sim.simulator import PROMPT_VOCAB, scheduler_config
 

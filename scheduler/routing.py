@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sarathi_lite.scheduler import Scheduler
+from .base import Scheduler
 
 COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
 
