@@ -131,3 +131,18 @@ def test_the_simulator_routes_and_prefills_as_the_real_router_on_a_replayed_run(
         assert [it.batch for it in e.stats().iterations] == [it.batch for it in sim.iterations[f"prefill{i}"]]
     for i, e in enumerate(engine.engines["decode"]):
         assert [it.batch for it in e.stats().iterations] == [it.batch for it in sim.iterations[f"decode{i}"]]
+
+
+def test_a_failed_transfer_recomputes_with_one_warning_and_the_same_outputs(tiny_checkpoints, reference,
+                                                                             monkeypatch, caplog):
+    from sarathi_lite.engine.kv_connector import InProcessKVConnector
+
+    monkeypatch.setattr(InProcessKVConnector, "load", lambda self, load, runner: False)
+    llm = LLM(tiny_checkpoints["llama"], disaggregation="1P1D", **OPTIONS)
+    with caplog.at_level("WARNING", logger="sarathi_lite.engine.llm_engine"):
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == reference
+    warned = [r.getMessage() for r in caplog.records if "recomputing" in r.getMessage()]
+    transferred = [rid for rid, route in llm.engine.routes.items() if len(route) == 2 and rid.startswith("gen-")]
+    assert len(transferred) == len(prompts())
+    assert len(warned) == len([p for p in prompts() if len(p) > 1])  # a 1-token prompt loads nothing
+    pools_whole(llm.engine)
