@@ -515,9 +515,11 @@ class Scheduler:
             queue.insert(bisect.bisect_left(queue, key(req), key=key), req)
 
     def _stuck(self, out: SchedulerOutput) -> bool:
-        """Whether ``out`` is empty although requests wait and nothing runs or loads (no batch in flight)."""
+        """Whether ``out`` is empty although requests wait and nothing runs, loads or is being sent (no batch in
+        flight). Blocks held for a send or an aborted load come back when it ends, so waiting for them is not
+        stuck."""
         return not out.scheduled and not out.kv_loads and bool(self.waiting) and not self.running \
-            and not self.waiting_for_kv
+            and not self.waiting_for_kv and not self._sends and not self._load_holds
 
     def _finish(self, req: Request, reason: str) -> None:
         if reason != "abort" and self.connector is not None and self.connector.request_finished(req):

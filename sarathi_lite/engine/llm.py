@@ -24,8 +24,14 @@ class LLM:
     >>> out.text, out.token_ids, out.finish_reason, out.metrics.ttft
     """
 
-    def __init__(self, model: str | Path | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine(model, **engine_options)
+    def __init__(self, model: str | Path | None = None, disaggregation: Any = None, **engine_options: Any) -> None:
+        # disaggregation (issue 25): "2" colocated replicas, "1P1D", or a routing.Layout; None: one engine
+        if disaggregation is None:
+            self.engine = LLMEngine(model, **engine_options)
+        else:
+            from sarathi_lite.engine.disagg import DisaggregatedEngine
+
+            self.engine = DisaggregatedEngine(model, instances=disaggregation, **engine_options)
         self._ids = itertools.count()
 
     @property

@@ -1,0 +1,185 @@
+"""Disaggregated prefill/decode (and colocated replicas) behind one router, in one process.
+
+``DisaggregatedEngine`` runs several ``LLMEngine`` instances on one set of loaded weights, each with its own KV
+pool, scheduler and policy options, and routes requests over them with ``sarathi_lite.scheduler.routing`` (the rules the
+simulator uses):
+
+- colocated replicas (``"2"``): data parallel, each request served whole by one replica;
+- ``"xPyD"``: a prompt is prefilled on a prefill instance as a request with ``max_tokens=1`` (EOS and stop
+  strings off, so it always finishes by length and its KV is always sent); its connector saves the prompt's K/V
+  (``InProcessKVConnector``, producer) and the blocks are released once saved; the request is then added to a
+  decode instance with ``num_external_tokens = prompt_len - 1``, which admits it when its own pool has the
+  blocks, loads the K/V of the tokens past its own prefix-cache hit (only the blocks it lacks are written),
+  computes the last prompt token and decodes with the request's own sampling parameters. A load that fails
+  (the K/V is gone) falls back to recomputing the prompt, with one warning (``LLMEngine``);
+- conditional (``Layout.parse("1P1D", threshold=64)``): prompts of at most ``threshold`` tokens are prefilled
+  on a decode instance itself.
+
+Greedy outputs equal one colocated engine's, token for token. The K/V moves through an in-process store, so this
+measures the scheduling of both organizations on one machine, not a network transfer (the simulator,
+``sarathi_lite.sim.disagg``, prices transfers on a link).
+
+>>> engine = DisaggregatedEngine(instances="1P1D", chunk_size=128)
+>>> engine.add_request("a", "Hello", SamplingParams(temperature=0.0, max_tokens=8))
+>>> while engine.has_unfinished_requests():
+...     outputs = engine.step()
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.engine.kv_connector import InProcessKVConnector, kv_store
+from sarathi_lite.engine.llm_engine import LLMEngine
+from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.metrics import Stats
+from sarathi_lite.scheduler.routing import COLOCATED, DECODE, PREFILL, Layout, pick_decode, route_arrival
+
+_STORE_IDS = itertools.count()
+
+
+class DisaggregatedEngine:
+    """Instances of ``layout`` (``"2"``, ``"1P1D"``, a ``Layout``) on one model, behind the router; the step API
+    of ``LLMEngine`` (``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``, ``stats``).
+
+    options: ``LLMEngine`` options for every instance; ``prefill_options`` / ``decode_options`` override them for
+    one role (e.g. a larger ``chunk_size`` on prefill instances). Not with tensor parallelism.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, instances: str | Layout = "1P1D",
+                 prefill_options: dict[str, Any] | None = None, decode_options: dict[str, Any] | None = None,
+                 **options: Any) -> None:
+        self.layout = instances if isinstance(instances, Layout) else Layout.parse(instances)
+        if options.get("tensor_parallel_size", 1) != 1:
+            raise ValueError("disaggregation: instances share one process's weights; tensor_parallel_size must be 1")
+        self.store_name = f"disagg-{next(_STORE_IDS)}"
+        self.store = kv_store(self.store_name)
+        role_options = {COLOCATED: options, PREFILL: {**options, **(prefill_options or {})},
+                        DECODE: {**options, **(decode_options or {})}}
+        counts = {COLOCATED: self.layout.colocated, PREFILL: self.layout.prefill, DECODE: self.layout.decode}
+        self.engines: dict[str, list[LLMEngine]] = {COLOCATED: [], PREFILL: [], DECODE: []}
+        source: LLMEngine | None = None
+        for role in (PREFILL, DECODE, COLOCATED):
+            for _ in range(counts[role]):
+                connector = None if role == COLOCATED else \
+                    InProcessKVConnector(self.store_name, "producer" if role == PREFILL else "consumer")
+                if source is None:
+                    engine = source = LLMEngine(model, kv_connector=connector, **role_options[role])
+                else:
+                    engine = LLMEngine.from_model(source, kv_connector=connector, **role_options[role])
+                self.engines[role].append(engine)
+        assert source is not None
+        self.tokenizer = source.tokenizer
+        self.model_path = source.model_path
+        self._source = source
+        self._requests: dict[str, tuple[str | Sequence[int], SamplingParams, float, int]] = {}
+        self._where: dict[str, tuple[str, int]] = {}
+        self.routes: dict[str, list[str]] = {}
+        """request id -> the instances it went through, e.g. ``["prefill0", "decode1"]``."""
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request on the instance the router picks. Raises ``ValueError`` for bad input (nothing is
+        queued then) or an id in use."""
+        params = params or SamplingParams()
+        if request_id in self._where:
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
+        _, token_ids = self._source._tokenize(request_id, prompt)
+        arrival = self._source.clock() if arrival_time is None else arrival_time
+        role, index = route_arrival(len(token_ids), self.layout, *self._schedulers())
+        engine = self.engines[role][index]
+        if role == PREFILL:
+            engine.add_request(request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                               arrival)
+        else:
+            engine.add_request(request_id, prompt, params, arrival)
+        self._requests[request_id] = (prompt, params, arrival, len(token_ids))
+        self._where[request_id] = (role, index)
+        self.routes[request_id] = [f"{role}{index}"]
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request wherever it is (waiting or mid-prefill on a prefill instance, waiting for its K/V or
+        decoding on a decode instance) and free its blocks on every instance. Raises ``ValueError`` for an unknown
+        id."""
+        where = self._where.pop(request_id, None)
+        if where is None:
+            raise ValueError(f"request_id={request_id!r} is unknown or already finished")
+        role, index = where
+        output = self.engines[role][index].abort_request(request_id)
+        self.store.pop(request_id)
+        self._requests.pop(request_id, None)
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self._all())
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._where)
+
+    def reset_prefix_cache(self) -> int:
+        return sum(e.reset_prefix_cache() for e in self._all())
+
+    # ------------------------------------------------------------------ one round
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every instance with work: decode instances and replicas, then prefill instances, whose
+        finished prompts are handed to decode instances for the next round (as in the simulator, where a prompt
+        handed over at the end of a prefill step reaches the decode instance's next step). A decode step that only
+        loaded K/V ran no forward pass, so that instance steps once more. Returns the outputs of decode instances
+        and replicas; a prefill instance's one token is not an output (the decode instance samples the first
+        token again)."""
+        outputs: list[RequestOutput] = []
+        for role in (DECODE, COLOCATED):
+            for engine in self.engines[role]:
+                if not engine.has_unfinished_requests():
+                    continue
+                before = engine.metrics.num_iterations
+                found = engine.step()
+                if engine.metrics.num_iterations == before and engine.scheduler.running:
+                    found += engine.step()  # the step only loaded K/V
+                for out in found:
+                    if out.finished:
+                        self._where.pop(out.request_id, None)
+                        self._requests.pop(out.request_id, None)
+                        self.store.pop(out.request_id)  # K/V never loaded (a full prefix-cache hit)
+                outputs += found
+        for engine in self.engines[PREFILL]:
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        self._hand_over(out.request_id)
+        return outputs
+
+    def _hand_over(self, request_id: str) -> None:
+        """A prompt was prefilled and its K/V saved: add the request to the decode instance the router picks."""
+        prompt, params, arrival, prompt_len = self._requests[request_id]
+        index = pick_decode([e.scheduler for e in self.engines[DECODE]])
+        self.engines[DECODE][index].add_request(request_id, prompt, params, arrival,
+                                                num_external_tokens=prompt_len - 1)
+        self._where[request_id] = (DECODE, index)
+        self.routes[request_id].append(f"{DECODE}{index}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _all(self) -> list[LLMEngine]:
+        return [e for role in (PREFILL, DECODE, COLOCATED) for e in self.engines[role]]
+
+    def _schedulers(self) -> tuple[list[Any], list[Any], list[Any]]:
+        return tuple([e.scheduler for e in self.engines[role]] for role in (COLOCATED, PREFILL, DECODE))
+
+    def stats(self) -> Stats:
+        """Per-request records of the instances that produce outputs (decode instances and replicas; TTFT from
+        the arrival, so it includes the prefill elsewhere) and every instance's iterations."""
+        outputs = [e for role in (DECODE, COLOCATED) for e in self.engines[role]]
+        requests = [m for e in outputs for m in e.stats().requests]
+        return Stats(requests, [it for e in self._all() for it in e.stats().iterations])
+
+    def shutdown(self) -> None:
+        for engine in self._all():
+            engine.shutdown()

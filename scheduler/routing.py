@@ -1,0 +1,92 @@
+"""Routing requests over instances: colocated replicas, xPyD disaggregated, or conditional. Torch-free, so the
+real router (``sarathi_lite.engine.disagg``) and the simulator (``sarathi_lite.sim.disagg``) share these rules
+and make the same decisions on the same scheduler states.
+
+- colocated replicas: the replica with the fewest pending prefill tokens, then the fewest KV blocks in use or
+  wanted, then the lowest index;
+- disaggregated: a prompt goes to the prefill instance with the fewest pending prefill tokens (then the lowest
+  index); once prefilled it goes to the decode instance with the fewest KV blocks in use or wanted (then the
+  lowest index);
+- conditional: a prompt of at most ``threshold`` tokens goes straight to a decode instance (chosen as above),
+  which prefills it itself; longer ones as disaggregated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .base import Scheduler
+
+COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
+
+
+def pending_prefill_tokens(scheduler: Scheduler) -> int:
+    """Prompt tokens the unfinished requests of ``scheduler`` have yet to compute (a decoding request, past its
+    prefill, counts 0)."""
+    return sum(max(r.num_prefill_tokens - r.num_computed_tokens, 0) for r in scheduler.requests.values())
+
+
+def kv_demand(scheduler: Scheduler) -> int:
+    """KV blocks in use (held ones included) plus those the prompts of its waiting requests need."""
+    kv = scheduler.kv
+    return kv.pool.num_used_blocks + sum(kv.blocks_for(r.num_prefill_tokens) for r in scheduler.waiting)
+
+
+@dataclass(slots=True, frozen=True)
+class Layout:
+    """How many instances of each role: ``colocated`` replicas, or ``prefill`` and ``decode`` instances, with an
+    optional conditional ``threshold`` (prompt tokens)."""
+
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+    threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("colocated", "prefill", "decode"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+        if bool(self.colocated) == bool(self.prefill or self.decode) or \
+                (not self.colocated and not (self.prefill and self.decode)):
+            raise ValueError(f"{self}: either colocated replicas or at least one prefill and one decode instance")
+        if self.threshold is not None and (self.colocated or self.threshold < 0):
+            raise ValueError(f"threshold={self.threshold!r}: conditional routing needs prefill and decode instances "
+                             f"and a threshold >= 0 (prompt tokens)")
+
+    @classmethod
+    def parse(cls, spec: str, threshold: int | None = None) -> Layout:
+        """``"N"`` or ``"NC"``: N colocated replicas; ``"xPyD"``: x prefill and y decode instances."""
+        text = str(spec).strip().upper()
+        m = re.fullmatch(r"(\d+)C?", text)
+        if m:
+            return cls(colocated=int(m.group(1)), threshold=threshold)
+        m = re.fullmatch(r"(\d+)P(\d+)D", text)
+        if not m:
+            raise ValueError(f"instances={spec!r}: expected N (colocated replicas) or xPyD, e.g. '2P1D'")
+        return cls(prefill=int(m.group(1)), decode=int(m.group(2)), threshold=threshold)
+
+    @property
+    def label(self) -> str:
+        if self.colocated:
+            return f"{self.colocated}C"
+        base = f"{self.prefill}P{self.decode}D"
+        return base if self.threshold is None else f"{base}/cond{self.threshold}"
+
+
+def route_arrival(prompt_len: int, layout: Layout, colocated: Sequence[Scheduler], prefill: Sequence[Scheduler],
+                  decode: Sequence[Scheduler]) -> tuple[str, int]:
+    """Where a new request with ``prompt_len`` prompt tokens goes: ``(role, index)``."""
+    if layout.colocated:
+        return COLOCATED, min(range(len(colocated)), key=lambda i: (pending_prefill_tokens(colocated[i]),
+                                                                     kv_demand(colocated[i]), i))
+    if layout.threshold is not None and prompt_len <= layout.threshold:
+        return DECODE, pick_decode(decode)
+    return PREFILL, min(range(len(prefill)), key=lambda i: (pending_prefill_tokens(prefill[i]), i))
+
+
+def pick_decode(decode: Sequence[Scheduler]) -> int:
+    """The decode instance a prefilled request goes to."""
+    return min(range(len(decode)), key=lambda i: (kv_demand(decode[i]), i))
