@@ -37,8 +37,9 @@ FUNCTION_IMPORTS = (
     ("sarathi_lite.cli", ("sarathi_lite.engine", "sarathi_lite.bench.replay", "sarathi_lite.bench.http_client",
                           "sarathi_lite.server", "sarathi_lite.sim.profiler", "torch", "uvicorn"),
      "CLI commands that run a model or serve load it when they run: building the parser stays torch-free"),
-    ("sarathi_lite", ("tqdm", "pandas", "matplotlib", "httpx"),
-     "optional dependencies, loaded where they are used (progress bars, to_pandas, plots, the HTTP client)"),
+    ("sarathi_lite", ("tqdm", "pandas", "matplotlib", "httpx", "ray"),
+     "optional dependencies, loaded where they are used (progress bars, to_pandas, plots, the HTTP client, Ray "
+     "sweeps)"),
     ("sarathi_lite.kernels._flashinfer", ("flashinfer",), "optional: FlashInfer loads only where it is usable"),
     ("sarathi_lite.engine.llm_engine", ("transformers",),
      "the tokenizer: transformers loads only for a checkpoint that ships one"),

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli.common import (
@@ -42,6 +43,7 @@ from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.engine.config import OPTIONS, SCHEDULER_FIELDS
 from sarathi_lite.scheduler import CHUNKED_POLICIES
 from sarathi_lite.sim import simulator as sim
+from sarathi_lite.sim.sweeps import sweep
 from sarathi_lite.sim.validate import validate
 
 # What profile does not take: the scheduler's settings (it times batches it builds itself, and calibrates at
@@ -126,10 +128,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from sarathi_lite.bench.capacity import SLO
-    from sarathi_lite.sim.sweeps import sweep
 
     workloads = {}
     for trace in args.traces or [args.trace]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.engine.disagg import DisaggregatedEngine
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
@@ -29,7 +30,6 @@ class LLM:
         if disaggregation is None:
             self.engine = LLMEngine(model, **engine_options)
         else:
-            from sarathi_lite.engine.disagg import DisaggregatedEngine
 
             self.engine = DisaggregatedEngine(model, instances=disaggregation, **engine_options)
         self._ids = itertools.count()

@@ -56,11 +56,11 @@ import numpy as np
 
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.workload import RequestSpec, Workload
+from sarathi_lite.costs import CostModel
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.scheduler.kv_transfer import KVSave
 from sarathi_lite.scheduler.routing import Layout, pick_decode, route_arrival
-from sarathi_lite.costs import CostModel
 from sarathi_lite.sim.simulator import PROMPT_VOCAB, scheduler_config
 
 ROLES = ("colocated", "prefill", "decode")
