@@ -119,6 +119,10 @@ class EngineConfig:
         "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the engine spawns "
                 "ranks 1.. as worker processes (or torchrun launched them); each holds 1/N of the weights and KV "
                 "heads, on cuda:<rank> on CUDA"})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "pipeline stages, each holding a contiguous range of the layers (times tensor_parallel_size "
+                "ranks; the engine spawns them or torchrun launched them); up to this many micro-batches are in "
+                "flight (max_concurrent_batches is raised to it), a request in at most one"})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -132,10 +136,14 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window", "tensor_parallel_size"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "stats_window", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError(f"async_scheduling: not with pipeline_parallel_size={self.pipeline_parallel_size} (a "
+                             f"request's next decode needs the token its last micro-batch samples)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if isinstance(self.cost_model, Path):
@@ -154,8 +162,10 @@ class EngineConfig:
 
     def scheduler_config(self, num_blocks: int | None, max_model_len: int) -> SchedulerConfig:
         """The ``SchedulerConfig`` of this engine once its KV pool and ``max_model_len`` are known."""
-        return SchedulerConfig(**{f: getattr(self, f) for f in SCHEDULER_FIELDS}, num_blocks=num_blocks,
-                               max_model_len=max_model_len)
+        fields = {f: getattr(self, f) for f in SCHEDULER_FIELDS}
+        # pipeline parallelism: one micro-batch in flight per stage
+        fields["max_concurrent_batches"] = max(fields["max_concurrent_batches"], self.pipeline_parallel_size)
+        return SchedulerConfig(**fields, num_blocks=num_blocks, max_model_len=max_model_len)
 
     @classmethod
     def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:

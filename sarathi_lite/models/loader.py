@@ -20,6 +20,7 @@ from sarathi_lite.models.parallel import (
     TensorParallel,
     VocabParallelEmbedding,
 )
+from sarathi_lite.models.pipeline import PipelineParallel, PipelineStageModel
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-               tp: TensorParallel | None = None) -> LlamaForCausalLM:
-    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype`` (with ``tp``: this rank's shard).
+               tp: TensorParallel | None = None, pp: PipelineParallel | None = None) -> LlamaForCausalLM:
+    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype`` (with ``tp``: this rank's shard;
+    with ``pp`` of more than one stage: this stage's ``PipelineStageModel``, holding only its layers' weights).
 
     load_format: ``"auto"`` reads the safetensors weights; ``"dummy"`` fills random weights (for benchmarks
     of model shapes whose weights are not at hand; only ``config.json`` is read).
@@ -52,9 +54,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp)
+        model = PipelineStageModel(cfg, tp, pp) if pp is not None and pp.size > 1 else LlamaForCausalLM(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     if load_format == "dummy":
         _init_dummy(model)
@@ -91,7 +93,11 @@ def _load_safetensors(model: LlamaForCausalLM, cfg: ModelConfig, files: list[Pat
                 if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 name, part = hf_name, None
-                m = _LAYER_RE.match(hf_name)
+                if isinstance(model, PipelineStageModel):  # this stage's weights only, by their local names
+                    name = model.checkpoint_name(hf_name)
+                    if name is None:
+                        continue
+                m = _LAYER_RE.match(name)
                 if m and m.group(3) in _FUSED:
                     fused, part = _FUSED[m.group(3)]
                     name = f"model.layers.{m.group(1)}.{m.group(2)}.{fused}.{m.group(4)}"
