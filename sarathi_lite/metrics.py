@@ -89,6 +89,8 @@ class IterationRecord:
     prepare_time, forward_time, sample_time: the model runner's host seconds (inputs and attention metadata;
     the forward pass with the sampling rows' logits; sampling), 0 where no model ran (the simulator);
     ``update_time`` is the rest of the step after scheduling.
+    stage_busy: under pipeline parallelism, the seconds each stage worked on this micro-batch (``()`` otherwise);
+    ``start_time`` to ``end_time`` then spans its whole trip through the pipeline (see ``bubble_accounting``).
     """
 
     index: int
@@ -105,6 +107,7 @@ class IterationRecord:
     prepare_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
+    stage_busy: tuple[float, ...] = ()
 
     @property
     def step_time(self) -> float:
@@ -136,6 +139,30 @@ def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]
     return {f"{prefix}_p{p}": (float(np.percentile(arr, p)) if arr.size else None) for p in PERCENTILES}
 
 
+def bubble_accounting(iterations: Iterable[IterationRecord]) -> dict[str, Any] | None:
+    """Pipeline bubbles of iterations with ``stage_busy`` (``None`` when none has it): ``occupied``, the seconds
+    during which at least one micro-batch was in the pipeline (the union of their ``start_time .. end_time``);
+    per stage, ``stage_busy`` (seconds it worked) and ``stage_idle`` (``occupied`` less that); and
+    ``bubble_fraction``, the idle time of all stages over ``stages x occupied``. Time with nothing in flight (an
+    idle server) is no bubble."""
+    spans, busy = [], None
+    for it in iterations:
+        if not it.stage_busy:
+            continue
+        spans.append((it.start_time, it.end_time))
+        busy = list(it.stage_busy) if busy is None else [b + t for b, t in zip(busy, it.stage_busy)]
+    if busy is None:
+        return None
+    occupied, reach = 0.0, -float("inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            occupied += end - max(start, reach)
+            reach = end
+    idle = [max(occupied - b, 0.0) for b in busy]
+    return {"occupied": occupied, "stage_busy": busy, "stage_idle": idle,
+            "bubble_fraction": sum(idle) / (len(busy) * occupied) if occupied > 0 else 0.0}
+
+
 class Stats:
     """What a run recorded: ``requests`` (one ``RequestMetrics`` each) and ``iterations``."""
 
@@ -145,7 +172,9 @@ class Stats:
 
     def summary(self) -> dict[str, Any]:
         """Percentiles (p50/p90/p99, seconds) of TTFT, TBT, scheduling delay, end-to-end and normalized
-        latency over finished requests (TBT over all token gaps pooled), and throughput over the run."""
+        latency over finished requests (TBT over all token gaps pooled), and throughput over the run; under
+        pipeline parallelism also ``pipeline_stages``, ``bubble_fraction`` and per-stage ``stage_busy`` and
+        ``stage_idle`` seconds (``bubble_accounting``)."""
         done = [r for r in self.requests
                 if r.finished_time is not None and r.finish_reason not in ("abort", "error")]
         out: dict[str, Any] = {"num_requests": len(done), "num_iterations": len(self.iterations)}
@@ -169,6 +198,11 @@ class Stats:
         out["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else None
         steps = [it.step_time for it in self.iterations]
         out.update(percentiles(steps, "step_time"))
+        pipeline = bubble_accounting(self.iterations)
+        if pipeline is not None:
+            out["pipeline_stages"] = len(pipeline["stage_busy"])
+            out["bubble_fraction"] = pipeline["bubble_fraction"]
+            out["stage_busy"], out["stage_idle"] = pipeline["stage_busy"], pipeline["stage_idle"]
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -215,10 +249,10 @@ class MetricsRecorder:
 
     def record_step(self, out: Any, start: float, schedule_end: float, end: float,
                     finished: Iterable[Any] = (), *, prepare_time: float = 0.0, forward_time: float = 0.0,
-                    sample_time: float = 0.0) -> None:
+                    sample_time: float = 0.0, stage_busy: tuple[float, ...] = ()) -> None:
         """Record one iteration ``out`` (a ``SchedulerOutput``) that ran from ``start`` to ``end`` and the
         requests (with ``request_id``, ``finish_reason``, ``num_preemptions``) that finished in it; the model
-        runner's split of the step as in ``IterationRecord``."""
+        runner's split of the step and the pipeline stages' busy seconds as in ``IterationRecord``."""
         reqs = self.requests
         for pid in out.preempted_ids:
             reqs[pid].num_preemptions += 1
@@ -239,7 +273,7 @@ class MetricsRecorder:
             self.num_iterations, start, end, schedule_end - start, out.num_prefill_tokens, out.num_decode_tokens,
             out.num_prefills, out.num_decodes, len(out.preempted_ids), out.num_cached_tokens,
             tuple((s.request_id, s.num_new_tokens) for s in out.scheduled) if self.record_batches else (),
-            prepare_time, forward_time, sample_time))
+            prepare_time, forward_time, sample_time, stage_busy))
         self.num_iterations += 1
 
     def finish(self, request_id: str, time: float, reason: str | None) -> None:

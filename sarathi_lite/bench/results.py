@@ -101,7 +101,8 @@ class BenchResult:
         if d.get("schema") != SCHEMA:
             raise ValueError(f"not a {SCHEMA} record (schema={d.get('schema')!r})")
         requests = [RequestMetrics(**r) for r in d["requests"]]
-        iterations = [IterationRecord(**{**it, "batch": tuple(tuple(b) for b in it["batch"])})
+        iterations = [IterationRecord(**{**it, "batch": tuple(tuple(b) for b in it["batch"]),
+                                         "stage_busy": tuple(it.get("stage_busy", ()))})
                       for it in d["iterations"]]
         return cls(dict(d["config"]), Workload.from_dict(d["workload"]), Stats(requests, iterations),
                    dict(d.get("meta", {})))

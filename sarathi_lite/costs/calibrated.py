@@ -247,13 +247,15 @@ class CalibratedCostModel(RooflineCostModel):
         _, _, flops, nbytes = self.work(out)
         return self.model.num_layers * self._gemm_floor + max(flops / self._flops, nbytes / self._bandwidth)
 
-    def comm_time(self, out: SchedulerOutput) -> float:
+    def comm_time(self, out: SchedulerOutput, num_layers: int | None = None, gather: bool = True) -> float:
         """Seconds of the collectives: two all-reduces of the ``[T, hidden]`` activations per layer and a gather
         of the sampled logits, at the measured times (the roofline's ring formula where the degree was not
-        measured)."""
+        measured, and for one pipeline stage's ``num_layers``)."""
         n = self.tensor_parallel_size
         if n == 1:
             return 0.0
+        if num_layers is not None:
+            return super().comm_time(out, num_layers, gather)
         tokens = out.num_prefill_tokens + out.num_decode_tokens
         sampled = sum(s.sample for s in out.scheduled)
         measured = self.calibration.all_reduce.time(self.allreduce_bytes_per_token * tokens, n)

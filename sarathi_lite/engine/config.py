@@ -48,6 +48,10 @@ class ParallelConfig:
         "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the engine spawns ranks "
                 "1.. as worker processes (or torchrun launched them); each holds 1/N of the weights and KV heads, "
                 "on cuda:<rank> on CUDA"})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "pipeline stages, each holding a contiguous range of the layers (times tensor_parallel_size ranks; "
+                "the engine spawns them or torchrun launched them); up to this many micro-batches are in flight "
+                "(max_concurrent_batches is raised to it), a request in at most one"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -209,6 +213,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError(f"async_scheduling: not with pipeline_parallel_size={self.pipeline_parallel_size} (a "
+                             f"request's next decode needs the token its last micro-batch samples)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if isinstance(self.cost_model, Path):
@@ -225,8 +232,11 @@ class EngineConfig:
 
     def scheduler_config(self, num_blocks: int | None, max_model_len: int) -> SchedulerConfig:
         """The ``SchedulerConfig`` of this engine once its KV pool and ``max_model_len`` are known: ``scheduler``
-        with both set (and ``max_num_batched_tokens``, unless given, derived from that ``max_model_len``)."""
-        return dataclasses.replace(self.scheduler, num_blocks=num_blocks, max_model_len=max_model_len)
+        with both set (and ``max_num_batched_tokens``, unless given, derived from that ``max_model_len``), and under
+        pipeline parallelism one micro-batch in flight per stage."""
+        return dataclasses.replace(self.scheduler, num_blocks=num_blocks, max_model_len=max_model_len,
+                                   max_concurrent_batches=max(self.scheduler.max_concurrent_batches,
+                                                              self.pipeline_parallel_size))
 
     @classmethod
     def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:

@@ -90,16 +90,16 @@ class LLMEngine:
         dtype = _resolve_dtype(config.dtype, device)
         self.workers: WorkerGroup | None = None
         self._finalizer: Callable[[], Any] | None = None
-        tp_size = config.tensor_parallel_size
-        if tp_size > 1:
-            check_parallel_config(ModelConfig.from_pretrained(path), tp_size, device)
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        if tp_size * pp_size > 1:
+            check_parallel_config(ModelConfig.from_pretrained(path), tp_size, device, pp_size)
             setup = RankSetup.of(config, str(path), dtype, device)
             device = setup.device(0)
-            self.workers = WorkerGroup.start(tp_size, setup)
+            self.workers = WorkerGroup.start(setup.world_size, setup)
             self._finalizer = weakref.finalize(self, self.workers.shutdown)
         try:
-            tp = None if self.workers is None else self.workers.tp
-            model = load_model(path, dtype, device, config.load_format, tp)
+            tp, pp = (None, None) if self.workers is None else (self.workers.tp, self.workers.pp)
+            model = load_model(path, dtype, device, config.load_format, tp, pp)
             self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0, kv_connector)
         except BaseException:
             self.shutdown()
@@ -116,8 +116,9 @@ class LLMEngine:
         at once."""
         model = options.pop("model", None)
         config = _engine_config(model, config, options)
-        if source.workers is not None or config.tensor_parallel_size > 1:
-            raise ValueError("from_model: engines with tensor_parallel_size > 1 cannot share loaded weights")
+        if source.workers is not None or config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            raise ValueError("from_model: engines with tensor_parallel_size or pipeline_parallel_size > 1 cannot "
+                             "share loaded weights")
         t0 = time.perf_counter()
         path = source.model_path if config.model is None else resolve_model(config.model)
         device = source.device if config.device is None else _resolve_device(config.device)
@@ -341,7 +342,7 @@ class LLMEngine:
             result = self.workers.execute(self.runner, out, params, banned)
         else:
             result = self.runner.execute(out, params, banned=banned)
-        if self._executor is not None:
+        if self._executor is not None and not callable(result):  # pipeline stages: sampled later, in _postprocess
             self._recent_tokens.append(result.tokens)
         return result, loads
 
@@ -366,6 +367,8 @@ class LLMEngine:
     def _postprocess(self, out: SchedulerOutput, run: tuple[StepResult, list[tuple[str, bool]]], start: float,
                      scheduled: float) -> list[RequestOutput]:
         result, loads = run
+        if callable(result):  # pipeline parallelism: wait for the last stage's logits and sample them
+            result = result()
         for rid, ok in loads:
             if not ok:
                 logger.warning("request %r: the KV connector could not supply its prompt's K/V; recomputing it", rid)
@@ -379,7 +382,8 @@ class LLMEngine:
         if out.is_empty:
             return []
         self.metrics.record_step(out, start, scheduled, end, finished, prepare_time=result.prepare_time,
-                                 forward_time=result.forward_time, sample_time=result.sample_time)
+                                 forward_time=result.forward_time, sample_time=result.sample_time,
+                                 stage_busy=result.stage_busy)
         self.scheduler.observe(out, end - start)
         outputs = self.outputs.process(result.tokens, result.logprobs, lambda req: self._stop_on_string(req, end))
         for o in outputs:

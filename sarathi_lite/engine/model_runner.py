@@ -28,13 +28,15 @@ logger = logging.getLogger(__name__)
 class StepResult:
     """Sampled tokens (and logprobs when asked) of one step, keyed by request id, and where the step's host
     time went (seconds): building inputs and attention metadata, the forward pass with the logits of the
-    sampling rows (on CUDA: their launch; the wait shows up in sampling), and sampling."""
+    sampling rows (on CUDA: their launch; the wait shows up in sampling), and sampling. stage_busy: under pipeline
+    parallelism, the seconds each stage spent on the step's micro-batch."""
 
     tokens: dict[str, int]
     logprobs: dict[str, Any]
     prepare_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
+    stage_busy: tuple[float, ...] = ()
 
 
 def runner_view(model: CausalLM) -> CausalLM:
@@ -131,6 +133,13 @@ class ModelRunner:
         """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens.
         banned: token ids a request's row must not sample this step (``min_tokens``)."""
         logits, rows, prepare_time, forward_time = self.forward(out)
+        return self.sample(out, logits, rows, params, banned, prepare_time, forward_time)
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor | None, rows: list[int],
+               params: Mapping[str, SamplingParams], banned: Mapping[str, Sequence[int]] | None = None,
+               prepare_time: float = 0.0, forward_time: float = 0.0) -> StepResult:
+        """Sample the ``rows`` of ``out`` (indices into ``out.scheduled``) from their ``logits`` ([len(rows),
+        vocab] float32, as ``forward`` gives them; ``None`` when no row samples)."""
         if logits is None:
             return StepResult({}, {}, prepare_time, forward_time)
         t2 = time.perf_counter()

@@ -13,6 +13,12 @@ Faults: rank 0 checks that its spawned workers are alive before each step and wh
 and turns a failed collective into a ``RuntimeError`` naming the dead rank; a worker exits when rank 0 goes away
 (its broadcast fails). ``WorkerGroup.shutdown`` (also run by a finalizer when the engine is collected, and at
 interpreter exit) stops the workers: a ``None`` step when they are idle, else terminate, then kill.
+
+With ``pipeline_parallel_size`` P > 1 the group has P x T ranks (``sarathi_lite.engine.pipeline``): rank 0
+broadcasts each step to its own stage only and hands it to the next stage; ``execute`` then returns at once with
+a function that waits for the last stage's logits and samples them (``LLMEngine`` calls it when it processes that
+step), so rank 0 can send the next micro-batch meanwhile. While it waits it checks every 50 ms that the spawned
+workers are alive, so a dead stage is an error within a second, never a hang.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -33,11 +41,21 @@ import torch.multiprocessing as mp
 
 from sarathi_lite.engine.config import EngineConfig, KVPool
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool
+from sarathi_lite.engine.pipeline import (
+    PipelineGroups,
+    recv_logits,
+    recv_micro_batch,
+    run_stage,
+    send_logits,
+    send_micro_batch,
+)
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.models.loader import load_model
 from sarathi_lite.models.parallel import TensorParallel
+from sarathi_lite.models.pipeline import PipelineParallel
+from sarathi_lite.models.stages import check_pipeline_parallel
 from sarathi_lite.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -63,6 +81,11 @@ class RankSetup:
     def of(cls, config: EngineConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> RankSetup:
         return cls(config, model_path, dtype, device.type, torch.get_num_threads())
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor-parallel ranks per stage times pipeline stages."""
+        return self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+
     def device(self, rank: int) -> torch.device:
         """Rank ``rank``'s device: ``cuda:<local rank>`` on CUDA, else the CPU."""
         if self.device_type == "cuda":
@@ -70,11 +93,17 @@ class RankSetup:
         return torch.device(self.device_type)
 
 
-def check_parallel_config(cfg: ModelConfig, size: int, device: torch.device) -> None:
-    """Raise ``ValueError`` before any process starts when ``size`` ranks cannot serve ``cfg`` on ``device``."""
+def check_parallel_config(cfg: ModelConfig, size: int, device: torch.device, pipeline_parallel_size: int = 1
+                          ) -> None:
+    """Raise ``ValueError`` before any process starts when ``size`` tensor-parallel ranks per stage and
+    ``pipeline_parallel_size`` stages cannot serve ``cfg`` on ``device``."""
     check_tensor_parallel(cfg, size)
-    if device.type == "cuda" and "WORLD_SIZE" not in os.environ and size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={size} exceeds the {torch.cuda.device_count()} CUDA device(s)")
+    check_pipeline_parallel(cfg.num_layers, pipeline_parallel_size)
+    world = size * pipeline_parallel_size
+    if device.type == "cuda" and "WORLD_SIZE" not in os.environ and world > torch.cuda.device_count():
+        what = f"tensor_parallel_size={size}" if pipeline_parallel_size == 1 else \
+            f"tensor_parallel_size={size} x pipeline_parallel_size={pipeline_parallel_size}"
+        raise ValueError(f"{what} exceeds the {torch.cuda.device_count()} CUDA device(s)")
 
 
 def launched_by_torchrun() -> bool:
@@ -85,17 +114,37 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _groups(rank: int, size: int, device: torch.device, store: Any = None) -> tuple[TensorParallel, Any]:
-    """Join the default (forward) group and create the control group; returns ``(tp, control group)``."""
+@dataclass(slots=True)
+class Groups:
+    """This rank's process groups: ``tp`` (the forward pass's collectives), ``control`` (rank 0's steps to its
+    stage: every rank without pipeline parallelism), ``world`` (gloo, every rank: start-up agreement) and
+    ``pipeline`` (``None`` with one stage)."""
+
+    tp: TensorParallel
+    control: Any
+    world: Any
+    pipeline: PipelineGroups | None = None
+
+
+def _groups(rank: int, tp_size: int, pp_size: int, device: torch.device, store: Any = None) -> Groups:
+    """Join the default group and create the others (every rank calls this, in the same order)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT)
+    size = tp_size * pp_size
     if store is None:
         dist.init_process_group(_backend(device), init_method="env://", rank=rank, world_size=size, timeout=timeout)
     else:
         dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return TensorParallel(rank, size), control
+    world = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    if pp_size == 1:
+        return Groups(TensorParallel(rank, size), world, world)
+    stage = rank // tp_size
+    stages = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=timeout) for s in range(pp_size)]
+    control = dist.new_group(list(range(tp_size)), backend="gloo", timeout=_IDLE_TIMEOUT)
+    logits = dist.new_group([0, (pp_size - 1) * tp_size], backend="gloo", timeout=_IDLE_TIMEOUT)
+    tp = TensorParallel(rank % tp_size, tp_size, stages[stage], root=stage * tp_size)
+    return Groups(tp, control, world, PipelineGroups(PipelineParallel(stage, pp_size), tp_size, rank, world, logits))
 
 
 def _min_over_ranks(value: int, control: Any) -> int:
@@ -104,28 +153,41 @@ def _min_over_ranks(value: int, control: Any) -> int:
     return int(agreed)
 
 
-def build_shard(setup: RankSetup, tp: TensorParallel, control: Any) -> tuple[LlamaForCausalLM, int]:
-    """This rank's model shard and the KV pool size every rank agrees on: the smallest rank's, in blocks."""
-    device = setup.device(tp.rank)
-    model = load_model(setup.model_path, setup.dtype, device, setup.config.load_format, tp)
-    pool = rank_kv_pool(setup.config, model.config, tp.size, setup.dtype, device)
-    return model, _min_over_ranks(pool.num_blocks, control)
+def build_shard(setup: RankSetup, rank: int, groups: Groups) -> tuple[LlamaForCausalLM, int]:
+    """This rank's model shard (its stage's layers) and the KV pool size every rank agrees on: the smallest
+    rank's, in blocks."""
+    device = setup.device(rank)
+    pp = groups.pipeline.pp if groups.pipeline is not None else None
+    model = load_model(setup.model_path, setup.dtype, device, setup.config.load_format, groups.tp, pp)
+    pool = rank_kv_pool(setup.config, model.config, groups.tp.size, setup.dtype, device)
+    return model, _min_over_ranks(pool.num_blocks, groups.world)
 
 
-def serve(setup: RankSetup, tp: TensorParallel, control: Any) -> None:
-    """A worker's life: build its shard, then run the forward pass of every step rank 0 broadcasts until it
-    broadcasts ``None``."""
-    model, blocks = build_shard(setup, tp, control)
-    runner = ModelRunner(model, block_size=setup.config.block_size, num_blocks=blocks,
-                         device=setup.device(tp.rank), dtype=setup.dtype,
-                         attention_backend=setup.config.attention_backend)
-    logger.info("tensor-parallel rank %d of %d ready", tp.rank, tp.size)
+def serve(setup: RankSetup, rank: int, groups: Groups) -> None:
+    """A worker's life: build its shard, then run the forward pass of every step rank 0 broadcasts (or, on a
+    later pipeline stage, the previous stage hands on) until it gets ``None``."""
+    model, blocks = build_shard(setup, rank, groups)
+    runner = ModelRunner(model, block_size=setup.config.block_size, num_blocks=blocks, device=setup.device(rank),
+                         dtype=setup.dtype, attention_backend=setup.config.attention_backend)
+    logger.info("rank %d of %d ready", rank, setup.world_size)
+    pipe = groups.pipeline
     while True:
-        message: list[SchedulerOutput | None] = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        if message[0] is None:
+        if pipe is None or pipe.pp.is_first:
+            message: list[SchedulerOutput | None] = [None]
+            dist.broadcast_object_list(message, src=0, group=groups.control)
+            out = message[0]
+        else:
+            out = recv_micro_batch(pipe)
+        if pipe is not None and not pipe.pp.is_last:
+            send_micro_batch(pipe, out)
+        if out is None:
             return
-        runner.forward(message[0])
+        if pipe is None:
+            runner.forward(out)
+            continue
+        logits, _, _, _, busy = run_stage(runner, pipe, out)
+        if pipe.pp.is_last and groups.tp.rank == 0:
+            send_logits(pipe, busy, logits)
 
 
 def _worker_main(rank: int, size: int, port: int, setup: RankSetup) -> None:
@@ -134,11 +196,12 @@ def _worker_main(rank: int, size: int, port: int, setup: RankSetup) -> None:
     torch.set_num_threads(setup.num_threads)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
     store.add("joined", 1)
-    tp, control = _groups(rank, size, setup.device(rank), store)
+    groups = _groups(rank, setup.config.tensor_parallel_size, setup.config.pipeline_parallel_size,
+                     setup.device(rank), store)
     try:
-        serve(setup, tp, control)
+        serve(setup, rank, groups)
     except Exception as e:  # rank 0 is gone, or this rank failed: one line, not a traceback per worker
-        logger.error("tensor-parallel worker rank %d stops: %s", rank, e)
+        logger.error("worker rank %d stops: %s", rank, e)
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
@@ -156,29 +219,47 @@ class WorkerGroup:
 
     ``WorkerGroup.start`` returns on rank 0 only; under ``torchrun`` a rank other than 0 serves until rank 0
     shuts down, then raises ``SystemExit(0)``. broadcast_seconds: host seconds rank 0 spent sending steps.
+    ``tp``: rank 0's tensor-parallel group; ``pp``: its pipeline stage (``None`` with one stage).
     """
 
-    def __init__(self, tp: TensorParallel, control: Any, processes: list[Any]) -> None:
-        self.tp, self.control, self.processes = tp, control, processes
+    def __init__(self, groups: Groups | None, processes: list[Any]) -> None:
+        self.groups, self.processes = groups, processes
         self.busy = True  # in a collective the workers may be in too: no stop message then
+        self.pending = 0  # micro-batches sent down the pipeline whose logits have not come back
         self.failed: str | None = None
         self.closed = False
         self.broadcast_seconds = 0.0
+        self._receiver: ThreadPoolExecutor | None = None
+
+    @property
+    def tp(self) -> TensorParallel:
+        return self.groups.tp
+
+    @property
+    def pp(self) -> PipelineParallel | None:
+        return None if self.groups is None or self.groups.pipeline is None else self.groups.pipeline.pp
+
+    @property
+    def control(self) -> Any:
+        return None if self.groups is None else self.groups.control
 
     @classmethod
     def start(cls, size: int, setup: RankSetup) -> WorkerGroup:
+        """Start (or join) the ``size`` = ``setup.world_size`` ranks."""
+        tp_size, pp_size = setup.config.tensor_parallel_size, setup.config.pipeline_parallel_size
         if launched_by_torchrun():
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != size:
-                raise ValueError(f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={world} processes")
-            tp, control = _groups(rank, size, setup.device(rank))
+                raise ValueError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} = {size} ranks "
+                                 f"but torchrun started WORLD_SIZE={world} processes")
+            groups = _groups(rank, tp_size, pp_size, setup.device(rank))
             if rank != 0:
                 try:
-                    serve(setup, tp, control)
+                    serve(setup, rank, groups)
                 finally:
                     dist.destroy_process_group()
                 raise SystemExit(0)
-            return cls(tp, control, [])
+            return cls(groups, [])
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process: shut the other "
                                "tensor-parallel engine down first")
@@ -190,10 +271,10 @@ class WorkerGroup:
                                  name=f"sarathi-lite-tp{rank}") for rank in range(1, size)]
         for p in processes:
             p.start()
-        group = cls(TensorParallel(0, size), None, processes)
+        group = cls(None, processes)
         try:
             group._wait_joined(store, size - 1)
-            group.tp, group.control = _groups(0, size, setup.device(0), store)
+            group.groups = _groups(0, tp_size, pp_size, setup.device(0), store)
         except BaseException:
             group.shutdown()
             raise
@@ -214,14 +295,16 @@ class WorkerGroup:
         for rank, p in enumerate(self.processes, start=1):
             if p.exitcode is not None:
                 how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
-                self.failed = (f"tensor-parallel worker rank {rank} (pid {p.pid}) {how}; the engine cannot run "
-                               f"without it")
+                pipe = None if self.groups is None else self.groups.pipeline
+                who = f"tensor-parallel worker rank {rank}" if pipe is None else \
+                    f"worker rank {rank} (pipeline stage {rank // pipe.tp_size})"
+                self.failed = f"{who} (pid {p.pid}) {how}; the engine cannot run without it"
                 raise RuntimeError(self.failed)
 
     def agree_pool(self, config: EngineConfig, pool: KVPool, max_position_embeddings: int) -> KVPool:
         """Rank 0's side of ``build_shard``: ``pool`` cut to the smallest rank's, in blocks (``max_model_len``
         derived from it as usual). The workers are ready for steps after it."""
-        blocks = self._guard(_min_over_ranks, pool.num_blocks, self.control)
+        blocks = self._guard(_min_over_ranks, pool.num_blocks, self.groups.world)
         self.busy = False
         if blocks == pool.num_blocks:
             return pool
@@ -229,21 +312,59 @@ class WorkerGroup:
                                                              max_position_embeddings=max_position_embeddings)
 
     def execute(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-                banned: Mapping[str, Sequence[int]]) -> StepResult:
+                banned: Mapping[str, Sequence[int]]) -> StepResult | Callable[[], StepResult]:
         """Send ``out`` to the workers, then run rank 0's share of the forward pass and sample (``banned``: as
-        ``ModelRunner.execute``'s)."""
+        ``ModelRunner.execute``'s). With pipeline stages: send it down the pipeline and return a function that
+        waits for its logits and samples them (call them in the order of ``execute``)."""
         self.check_alive()
         self.busy = True
+        if self.pp is not None:
+            self.pending += 1
+            return self._guard(self._send_down, runner, out, params, banned)
         result = self._guard(self._step, runner, out, params, banned)
         self.busy = False
         return result
 
+    def _broadcast(self, out: SchedulerOutput | None) -> None:
+        t0 = time.perf_counter()
+        if self.tp.size > 1 or self.pp is None:
+            dist.broadcast_object_list([out], src=0, group=self.control)
+        if self.pp is not None:
+            send_micro_batch(self.groups.pipeline, out)
+        self.broadcast_seconds += time.perf_counter() - t0
+
     def _step(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
               banned: Mapping[str, Sequence[int]]) -> StepResult:
-        t0 = time.perf_counter()
-        dist.broadcast_object_list([out], src=0, group=self.control)
-        self.broadcast_seconds += time.perf_counter() - t0
+        self._broadcast(out)
         return runner.execute(out, params, banned=banned)
+
+    def _send_down(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
+                   banned: Mapping[str, Sequence[int]]) -> Callable[[], StepResult]:
+        self._broadcast(out)
+        pipe = self.groups.pipeline
+        _, rows, prepare_time, forward_time, _ = run_stage(runner, pipe, out)
+        if self._receiver is None:
+            self._receiver = ThreadPoolExecutor(1, thread_name_prefix="sarathi-lite-logits")
+        received = self._receiver.submit(recv_logits, pipe, len(rows), runner.model.config.vocab_size)
+
+        def finish() -> StepResult:
+            busy, logits = self._guard(self._wait, received)
+            self.pending -= 1
+            self.busy = self.pending > 0
+            result = runner.sample(out, None if logits is None else logits.to(runner.device), rows, params, banned,
+                                   prepare_time, forward_time)
+            result.stage_busy = tuple(busy)
+            return result
+
+        return finish
+
+    def _wait(self, received: Any) -> Any:
+        """The logits receive's result; checks every 50 ms that the spawned workers live."""
+        while True:
+            try:
+                return received.result(timeout=0.05)
+            except FutureTimeout:
+                self.check_alive()
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(...)``, with a failure reported as the worker that caused it when one has exited."""
@@ -263,7 +384,7 @@ class WorkerGroup:
         idle = self.control is not None and not self.busy and not self.failed
         if idle:
             try:
-                dist.broadcast_object_list([None], src=0, group=self.control)
+                self._broadcast(None)
             except Exception:  # a dead worker: the terminate below handles the rest
                 logger.warning("could not tell the tensor-parallel workers to stop", exc_info=True)
         for p in self.processes:
@@ -275,5 +396,7 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self._receiver is not None:
+            self._receiver.shutdown(wait=False, cancel_futures=True)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from sarathi_lite.models.config import ModelConfig, read_config_json
 from sarathi_lite.models.interface import CausalLM, WeightMap
+from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.models.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -20,6 +21,7 @@ from sarathi_lite.models.parallel import (
     TensorParallel,
     VocabParallelEmbedding,
 )
+from sarathi_lite.models.pipeline import PipelineParallel, PipelineStageModel
 from sarathi_lite.models.registry import model_spec
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,9 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-               tp: TensorParallel | None = None) -> CausalLM:
-    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype`` (with ``tp``: this rank's shard):
+               tp: TensorParallel | None = None, pp: PipelineParallel | None = None) -> CausalLM:
+    """The model of the checkpoint folder ``path`` on ``device`` in ``dtype`` (with ``tp``: this rank's shard;
+    with ``pp`` of more than one stage: this stage's ``PipelineStageModel``, holding only its layers' weights):
     the registered class of its ``architectures``. Raises ``ValueError`` naming an unsupported architecture.
 
     load_format: ``"auto"`` reads the safetensors weights; ``"dummy"`` fills random weights (for benchmarks
@@ -49,9 +52,19 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_
     spec = model_spec(raw.get("architectures"), raw.get("model_type"))
     cfg = ModelConfig.from_dict(raw)
     with torch.device("meta"):
-        model = spec.model_class(cfg, tp)
+        if pp is not None and pp.size > 1:
+            if spec.model_class is not LlamaForCausalLM:
+                raise ValueError(f"pipeline_parallel_size={pp.size}: pipeline stages are built for the Llama family "
+                                 f"(Llama, Mistral, Qwen2), not {spec.model_class.__name__}")
+            model = PipelineStageModel(cfg, tp, pp)
+        else:
+            model = spec.model_class(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()
+    if isinstance(model, PipelineStageModel):
+        if cfg.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    else:
+        model.tie_weights()
     if load_format == "dummy":
         _init_dummy(model)
     elif load_format == "auto":
@@ -87,7 +100,12 @@ def _load_safetensors(model: CausalLM, cfg: ModelConfig, files: list[Path], weig
                     continue
                 if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                name, part = weights.target(hf_name)
+                local = hf_name
+                if isinstance(model, PipelineStageModel):  # this stage's weights only, by their local names
+                    local = model.checkpoint_name(hf_name)
+                    if local is None:
+                        continue
+                name, part = weights.target(local)
                 if name not in params:
                     raise ValueError(f"checkpoint weight {hf_name!r} has no place in the model")
                 target, tensor = _shard(modules[name.rsplit(".", 1)[0]], params[name], name, part,

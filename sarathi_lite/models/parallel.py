@@ -35,12 +35,14 @@ class TensorParallel:
     """This process's place in a tensor-parallel group: ``rank`` in ``0 .. size - 1``; ``group`` the
     ``torch.distributed`` process group of the forward pass's collectives (``None``: the default group).
     comm_seconds: host seconds spent in this rank's collectives so far, waiting for slower ranks included (on
-    CUDA only the launches: NCCL runs asynchronously)."""
+    CUDA only the launches: NCCL runs asynchronously). root: the global rank of the group's rank 0 (a pipeline
+    stage's group starts past 0), where ``gather_last_dim`` gathers."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     comm_seconds: float = 0.0
+    root: int = 0
 
     @classmethod
     def single(cls) -> TensorParallel:
@@ -61,7 +63,7 @@ class TensorParallel:
         t0 = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.group)
+        dist.gather(x, parts, dst=self.root, group=self.group)
         self.comm_seconds += time.perf_counter() - t0
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 

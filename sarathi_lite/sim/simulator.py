@@ -40,6 +40,7 @@ from sarathi_lite.costs.spec import load_cost_model as load_cost_model
 from sarathi_lite.engine.config import EngineConfig, default_option
 from sarathi_lite.metrics import MetricsRecorder
 from sarathi_lite.scheduler import CHUNKED_POLICIES, Request, SchedulerConfig, StepTimePredictor, make_scheduler
+from sarathi_lite.sim.pipeline import pipeline_parallel_size, simulate_pipeline
 
 # Prompt token ids matter only to the prefix cache, through which of them are equal: the simulator draws them
 # from the workload (as the replay does) over this vocabulary.
@@ -59,6 +60,8 @@ def scheduler_config(cost_model: CostModel, policy: str, chunk_size: int | str |
     ``block_size``, ...), at their defaults when not given. Raises ``ValueError`` as the engine would."""
     if chunk_size is not None:
         options["chunk_size"] = chunk_size
+    # pipeline parallelism (sim/pipeline.py): one micro-batch in flight per stage
+    options.setdefault("max_concurrent_batches", pipeline_parallel_size(cost_model))
     options.setdefault("cost_model", cost_model)  # chunk_size="auto": the cost model also picks the budgets
     config = EngineConfig(policy=policy, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, **options)
     pool = config.kv_pool(kv_bytes_per_token=cost_model.kv_bytes_per_token,
@@ -82,7 +85,11 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
     ``cost_model`` itself). Each step's simulated time is fed back to it as the engine feeds its measured one, so
     its correction stays 1 when it is the cost model without jitter.
     Raises ``ValueError`` if a request does not fit ``config.max_model_len``.
+    A pipelined cost model (``pipeline_parallel_size`` > 1) runs ``pipeline.simulate_pipeline`` instead.
     """
+    if pipeline_parallel_size(cost_model) > 1:  # pipeline parallelism: micro-batches through the stages
+        return simulate_pipeline(workload, cost_model, config, chunk_size=chunk_size, record_batches=record_batches,
+                                 seed=seed, predictor=predictor)
     workload.check_fits(config.max_model_len)
     wall = time.perf_counter()
     cost_model.reset(seed)

@@ -1,0 +1,108 @@
+"""Pipeline parallelism between engine ranks: micro-batches and activations stage to stage, logits back to rank 0.
+
+With ``pipeline_parallel_size`` P and ``tensor_parallel_size`` T the engine has P x T ranks; global rank ``r`` is
+tensor-parallel rank ``r % T`` of stage ``r // T`` (``models.pipeline``: contiguous layers per stage). Rank 0
+(stage 0) schedules and samples. For each micro-batch (a ``SchedulerOutput``):
+
+- stage 0's ranks get it from rank 0 (a broadcast on their control group, as tensor parallelism does); every
+  rank of stage ``s`` < P - 1 sends it on to its peer (the same tensor-parallel rank) of stage ``s + 1``
+  (``send_micro_batch``), then runs its layers and sends the hidden states and residual ``[N, hidden]`` and the
+  seconds each stage so far spent on it (``run_stage``), all with point-to-point sends on a gloo group;
+- the last stage's first rank sends those seconds and the sampling rows' logits ``[rows, vocab]`` float32 to rank 0
+  (``send_logits``), which samples them.
+
+Rank 0 hands a micro-batch to stage 1 and returns to schedule the next, so up to P micro-batches are in flight
+(the engine's batch queue, ``max_concurrent_batches`` = P); they pass every stage in order. Tensors cross the
+gloo groups on the CPU (a copy on CUDA).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sarathi_lite.engine.model_runner import ModelRunner
+from sarathi_lite.models.pipeline import PipelineParallel
+from sarathi_lite.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class PipelineGroups:
+    """This rank's place in the pipeline (global ``rank``; ``tp_size`` ranks a stage) and its gloo groups:
+    ``pipe`` (every rank; micro-batches and activations) and ``logits`` (rank 0 and the last stage's first)."""
+
+    pp: PipelineParallel
+    tp_size: int
+    rank: int
+    pipe: Any
+    logits: Any
+
+    @property
+    def last_root(self) -> int:
+        """The global rank of the last stage's first rank (which sends the logits)."""
+        return (self.pp.size - 1) * self.tp_size
+
+
+def send_micro_batch(groups: PipelineGroups, out: SchedulerOutput | None) -> None:
+    """Send ``out`` (``None``: stop) to this rank's peer in the next stage."""
+    dist.send_object_list([out], dst=groups.rank + groups.tp_size, group=groups.pipe)
+
+
+def recv_micro_batch(groups: PipelineGroups) -> SchedulerOutput | None:
+    """The next micro-batch (``None``: stop) from this rank's peer in the previous stage."""
+    message: list[SchedulerOutput | None] = [None]
+    dist.recv_object_list(message, src=groups.rank - groups.tp_size, group=groups.pipe)
+    return message[0]
+
+
+def run_stage(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput
+              ) -> tuple[torch.Tensor | None, list[int], float, float, list[float]]:
+    """This stage's share of ``out``: receive the previous stage's activations (not on the first stage), run its
+    layers (``runner.forward``), send the activations on (not on the last). Returns ``runner.forward``'s
+    ``(logits, rows, prepare seconds, forward seconds)`` and the seconds each stage up to this one spent on it."""
+    model = runner.model
+    pp = groups.pp
+    busy: list[float] = []
+    if not pp.is_first:
+        n = sum(s.num_new_tokens for s in out.scheduled)
+        hidden = torch.empty(n, model.config.hidden_size, dtype=runner.kv_cache.dtype)
+        residual, times = torch.empty_like(hidden), torch.empty(pp.stage, dtype=torch.float64)
+        src = groups.rank - groups.tp_size
+        for t in (hidden, residual, times):
+            dist.recv(t, src, group=groups.pipe)
+        model.stage_input = (hidden.to(runner.device), residual.to(runner.device))
+        busy = times.tolist()
+    t0 = time.perf_counter()
+    logits, rows, prepare_time, forward_time = runner.forward(out)
+    if not pp.is_last:
+        hidden, residual = model.stage_output
+        model.stage_output = None
+        hidden, residual = hidden.cpu().contiguous(), residual.cpu().contiguous()
+        busy.append(time.perf_counter() - t0)
+        for t in (hidden, residual, torch.tensor(busy, dtype=torch.float64)):
+            dist.send(t, groups.rank + groups.tp_size, group=groups.pipe)
+    else:
+        busy.append(time.perf_counter() - t0)
+    return logits, rows, prepare_time, forward_time, busy
+
+
+def send_logits(groups: PipelineGroups, busy: list[float], logits: torch.Tensor | None) -> None:
+    """The last stage's first rank: send each stage's seconds and the logits (if any row samples) to rank 0."""
+    dist.send(torch.tensor(busy, dtype=torch.float64), 0, group=groups.logits)
+    if logits is not None:
+        dist.send(logits.cpu().contiguous(), 0, group=groups.logits)
+
+
+def recv_logits(groups: PipelineGroups, num_rows: int, vocab_size: int) -> tuple[list[float], torch.Tensor | None]:
+    """Rank 0: each stage's seconds on the oldest micro-batch in flight, and its ``num_rows`` rows' logits."""
+    busy = torch.empty(groups.pp.size, dtype=torch.float64)
+    dist.recv(busy, groups.last_root, group=groups.logits)
+    if not num_rows:
+        return busy.tolist(), None
+    logits = torch.empty(num_rows, vocab_size, dtype=torch.float32)
+    dist.recv(logits, groups.last_root, group=groups.logits)
+    return busy.tolist(), logits
