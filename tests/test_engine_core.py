@@ -59,7 +59,7 @@ def test_async_scheduling_gives_the_same_outputs_with_stop_tokens_min_tokens_and
 def test_kv_from_another_engine_skips_the_prefill_and_holds_exactly_the_imported_kv(tiny_checkpoints, hf_reference):
     prompt = [(7 * i + 3) % 250 + 2 for i in range(45)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    producer = LLMEngine(tiny_checkpoints["llama"], kv_connector=InProcessKVConnector("core-test", "producer"),
+    producer = LLMEngine(tiny_checkpoints["llama"], connector=InProcessKVConnector("core-test", "producer"),
                          **OPTIONS)
     run(producer, {"r": (prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))})
     stored = kv_store("core-test").get("r")
@@ -67,7 +67,7 @@ def test_kv_from_another_engine_skips_the_prefill_and_holds_exactly_the_imported
     assert producer.scheduler.block_manager.num_free_blocks == producer.scheduler_config.num_blocks, \
         "the producer's blocks are released once saved"
 
-    consumer = LLMEngine.from_model(producer, kv_connector=InProcessKVConnector("core-test", "consumer"),
+    consumer = LLMEngine.from_model(producer, connector=InProcessKVConnector("core-test", "consumer"),
                                     **OPTIONS)
     consumer.add_request("r", prompt, greedy, num_external_tokens=len(prompt) - 1)
     consumer.step()  # the load
@@ -95,7 +95,7 @@ def test_missing_or_unusable_kv_falls_back_to_recomputing_the_prompt(tiny_checkp
     assert isinstance(producer.kv_connector, InProcessKVConnector) and producer.kv_connector.role == "producer"
     run(producer, {"odd": (prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))})
     cold = run(LLMEngine.from_model(producer, **OPTIONS), {"x": (prompt, greedy)})["x"][0]
-    consumer = LLMEngine.from_model(producer, kv_connector=InProcessKVConnector("core-fallback", "consumer"),
+    consumer = LLMEngine.from_model(producer, connector=InProcessKVConnector("core-fallback", "consumer"),
                                     enable_prefix_caching=False, **OPTIONS)
     # "none": the store has nothing for it, so nothing is loaded; "odd": stored in blocks of 8, not 4
     outputs: dict[str, list[int]] = {}

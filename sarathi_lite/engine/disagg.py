@@ -68,9 +68,9 @@ class DisaggregatedEngine:
                 connector = None if role == COLOCATED else \
                     InProcessKVConnector(self.store_name, "producer" if role == PREFILL else "consumer")
                 if source is None:
-                    engine = source = LLMEngine(model, kv_connector=connector, **role_options[role])
+                    engine = source = LLMEngine(model, connector=connector, **role_options[role])
                 else:
-                    engine = LLMEngine.from_model(source, kv_connector=connector, **role_options[role])
+                    engine = LLMEngine.from_model(source, connector=connector, **role_options[role])
                 self.engines[role].append(engine)
         assert source is not None
         self.tokenizer = source.tokenizer

@@ -70,10 +70,11 @@ class LLMEngine:
 
     ``LLMEngine(model, **options)`` takes every ``EngineConfig`` field as a keyword (``scheduler=`` names the
     policy), or ``LLMEngine(config=EngineConfig(...))``; see ``EngineConfig`` for each option and its default.
-    clock: the time source for metrics (seconds). kv_connector: moves prompt K/V between engines (disaggregated
-    prefill/decode; ``sarathi_lite.engine.kv_connector``): it saves every finished request's K/V, and a request
-    added with ``num_external_tokens`` loads them (default: the one the ``kv_role``/``kv_connector``/``kv_store``
-    options describe, if any). ``LLMEngine.from_model(engine, ...)``: another engine on the
+    clock: the time source for metrics (seconds). connector: a ``KVConnector`` object that moves prompt K/V between
+    engines (disaggregated prefill/decode; ``sarathi_lite.engine.kv_connector``): it saves every finished
+    request's K/V, and a request added with ``num_external_tokens`` loads them (default: the one the ``kv_role``,
+    ``kv_connector`` (its name) and ``kv_store`` options describe, if any). ``LLMEngine.from_model(engine, ...)``:
+    another engine on the
     same loaded weights.
     With ``tensor_parallel_size`` N > 1 the engine starts N - 1 worker processes (``sarathi_lite.engine.worker``);
     ``shutdown()`` (or dropping the engine) stops them. Scripts that spawn workers need the usual
@@ -81,7 +82,7 @@ class LLMEngine:
     """
 
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
-                 clock: Callable[[], float] = time.perf_counter, kv_connector: KVConnector | None = None,
+                 clock: Callable[[], float] = time.perf_counter, connector: KVConnector | None = None,
                  **options: Any) -> None:
         config = _engine_config(model, config, options)
         t0 = time.perf_counter()
@@ -100,14 +101,14 @@ class LLMEngine:
         try:
             tp, pp = (None, None) if self.workers is None else (self.workers.tp, self.workers.pp)
             model = load_model(path, dtype, device, config.load_format, tp, pp)
-            self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0, kv_connector)
+            self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0, connector)
         except BaseException:
             self.shutdown()
             raise
 
     @classmethod
     def from_model(cls, source: LLMEngine, *, config: EngineConfig | None = None,
-                   clock: Callable[[], float] = time.perf_counter, kv_connector: KVConnector | None = None,
+                   clock: Callable[[], float] = time.perf_counter, connector: KVConnector | None = None,
                    **options: Any) -> LLMEngine:
         """A new engine on ``source``'s loaded weights and tokenizer (not loaded again), with its own scheduler,
         KV cache and records: e.g. to sweep scheduler settings over one model. config, options: as for
@@ -130,7 +131,7 @@ class LLMEngine:
         engine = cls.__new__(cls)
         engine.workers, engine._finalizer = None, None
         engine._start(config, path, device, dtype, source.model, runner_view(source.model), source.tokenizer,
-                      clock, t0, kv_connector)
+                      clock, t0, connector)
         return engine
 
     def _start(self, config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
