@@ -330,10 +330,11 @@ class Scheduler:
         """Give every running decode its one token, preempting from the tail of ``running`` when the pool is
         out of blocks. Returns the running requests that are mid-prefill, in order (not scheduled). Requests in
         flight are passed over, or, under ``async_scheduling``, continued (``_continuation``)."""
+        if not self._track:
+            return self._schedule_decodes_alternating(out)
         running = self.running
         kv, pool = self.kv, self.block_manager
         bs = self.config.block_size
-        track = self._track
         add_row = out.scheduled.append
         prefills: list[Request] = []
         num_decodes = 0
@@ -365,8 +366,39 @@ class Scheduler:
                         break
                     continue  # in flight: it waits for the batch that holds it
                 kv.allocate_one(req)
-            add_row(ScheduledRequest(req.request_id, computed, 1, [token], blocks[:] if track else blocks, True,
-                                     False))
+            add_row(ScheduledRequest(req.request_id, computed, 1, [token], blocks[:], True, False))
+            num_decodes += 1
+        out.num_decode_tokens += num_decodes
+        out.num_decodes += num_decodes
+        return prefills
+
+    def _schedule_decodes_alternating(self, out: SchedulerOutput) -> list[Request]:
+        """``schedule_decodes`` when one batch at a time runs (nothing is ever in flight here): the same decisions,
+        in the hot loop of every step without the in-flight checks; a decode's block table is the live one."""
+        running = self.running
+        kv, pool = self.kv, self.block_manager
+        bs = self.config.block_size
+        add_row = out.scheduled.append
+        prefills: list[Request] = []
+        num_decodes = 0
+        i = 0
+        while i < len(running):
+            req = running[i]
+            i += 1
+            computed = req.num_computed_tokens
+            if computed < req.num_prefill_tokens:
+                prefills.append(req)
+                continue
+            blocks = req.block_ids
+            if computed == len(blocks) * bs:
+                while not pool.num_free_blocks:
+                    self.preempt(running[-1], out)
+                    if req.status is not RUNNING:
+                        break
+                if req.status is not RUNNING:
+                    break
+                kv.allocate_one(req)
+            add_row(ScheduledRequest(req.request_id, computed, 1, [req.output_token_ids[-1]], blocks, True, False))
             num_decodes += 1
         out.num_decode_tokens += num_decodes
         out.num_decodes += num_decodes
