@@ -247,6 +247,13 @@ class MetricsRecorder:
         m = self.requests[request_id] = RequestMetrics(request_id, arrival_time, num_prompt_tokens)
         return m
 
+    def record_preemptions(self, out: Any) -> None:
+        """Count the preemptions of ``out``, a batch that ran nothing (with batches in flight, a request not in
+        flight can find no other victim and give up its own blocks while nothing else is schedulable):
+        ``record_step`` counts those of the batches that ran."""
+        for pid in out.preempted_ids:
+            self.requests[pid].num_preemptions += 1
+
     def record_step(self, out: Any, start: float, schedule_end: float, end: float,
                     finished: Iterable[Any] = (), *, prepare_time: float = 0.0, forward_time: float = 0.0,
                     sample_time: float = 0.0, stage_busy: tuple[float, ...] = ()) -> None:

@@ -4,6 +4,7 @@ public building blocks policies compose (``schedule_decodes``, ``schedule_prefil
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
@@ -338,6 +339,7 @@ class Scheduler:
         add_row = out.scheduled.append
         prefills: list[Request] = []
         num_decodes = 0
+        cap = self._decode_cap()
         i = 0
         while i < len(running):
             req = running[i]
@@ -352,6 +354,8 @@ class Scheduler:
                 if computed < req.num_prefill_tokens:
                     prefills.append(req)
                     continue
+                if num_decodes >= cap:
+                    continue  # the next micro-batch's share
                 token = req.output_token_ids[-1]
             blocks = req.block_ids
             if computed == len(blocks) * bs:
@@ -403,6 +407,16 @@ class Scheduler:
         out.num_decode_tokens += num_decodes
         out.num_decodes += num_decodes
         return prefills
+
+    def _decode_cap(self) -> int | float:
+        """Most decodes one batch may take (``balance_micro_batches``): ``ceil(D / P)`` of the D running requests
+        past their prompt (in flight or not) with P = ``max_concurrent_batches``; unbounded without it."""
+        config = self.config
+        if not config.balance_micro_batches or config.async_scheduling or config.max_concurrent_batches == 1:
+            return math.inf
+        decoding = sum(1 for r in self.running if r.num_computed_tokens + r.num_scheduled_tokens
+                       >= r.num_prefill_tokens)
+        return -(-decoding // config.max_concurrent_batches)
 
     def _continuation(self, req: Request) -> int:
         """Under ``async_scheduling``: where ``req``'s next decode starts if it may be scheduled although a row of

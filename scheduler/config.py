@@ -85,6 +85,12 @@ class SchedulerConfig:
         the previous batch sampled), as vLLM's async scheduling does; never when that token could end it by
         length. Raises ``max_concurrent_batches`` from 1 to 2. A request that stops on the earlier token wastes
         that one row.
+    balance_micro_batches: with ``max_concurrent_batches`` P > 1 and not ``async_scheduling``: a batch takes at
+        most ``ceil(D / P)`` of the D running requests that decode (in flight or not), so the P micro-batches of
+        a pipeline share the decodes evenly (vLLM gets the same from one scheduler per micro-batch, each with its
+        own requests). Without it, decodes that become ready together all go into one batch and come back
+        together, and the micro-batches after it find nothing to run: with only decodes running, one micro-batch
+        at a time crosses the pipeline, forever. No effect at P = 1.
     """
 
     policy: str = field(default="sarathi", metadata={
@@ -133,6 +139,9 @@ class SchedulerConfig:
     max_concurrent_batches: int = field(default=1, metadata={
         "help": "most batches in flight at once (pipeline stages, async scheduling); a request is in at most one of "
                 "them"})
+    balance_micro_batches: bool = field(default=True, metadata={
+        "help": "with batches in flight (pipeline stages): a batch takes at most 1/max_concurrent_batches of the "
+                "running decodes, so micro-batches share them evenly instead of one taking all"})
     async_scheduling: bool = field(default=False, metadata={
         "help": "overlap the CPU's scheduling of step N+1 and the processing of step N-1's outputs with step N's "
                 "forward pass (a decode is scheduled before its input token is sampled)"})
@@ -152,6 +161,8 @@ class SchedulerConfig:
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if not isinstance(self.hol_protection, bool):
             raise ValueError(f"hol_protection={self.hol_protection!r} must be True or False")
+        if not isinstance(self.balance_micro_batches, bool):
+            raise ValueError(f"balance_micro_batches={self.balance_micro_batches!r} must be True or False")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True or False")
         if self.async_scheduling and self.max_concurrent_batches == 1:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sarathi_lite import LLMEngine
+from sarathi_lite import LLMEngine, SamplingParams
 from sarathi_lite.cli.common import add_engine_args, engine_config
 from sarathi_lite.engine import worker
 from sarathi_lite.engine.model_runner import ModelRunner
@@ -165,6 +165,50 @@ def test_pp2_greedy_matches_pp1_and_hf_for_sarathi_and_vllm_chunks_7_and_64_with
     finally:
         pp2.shutdown()
     assert mp.active_children() == [] and not dist.is_initialized()
+
+
+def test_a_stage_sends_the_micro_batch_on_only_after_its_own_layers(monkeypatch):
+    # A gloo send waits until the receiver posts its receive, and the next stage posts it only when it is done
+    # with the micro-batch before. Sending the micro-batch ahead of the layers made each stage wait for the next
+    # before starting its own work, so the stages took turns: a measured bubble of one half at P = 2.
+    from types import SimpleNamespace
+
+    from sarathi_lite.engine import pipeline
+
+    events: list[str] = []
+    model = SimpleNamespace(stage_output=None, config=SimpleNamespace(hidden_size=4))
+
+    def forward(out):
+        events.append("layers")
+        model.stage_output = (torch.zeros(2, 4), torch.zeros(2, 4))
+        return None, [], 0.0, 0.0
+
+    runner = SimpleNamespace(model=model, forward=forward)
+    groups = SimpleNamespace(pp=PipelineParallel(0, 2), rank=0, tp_size=1, pipe=None)
+    monkeypatch.setattr(pipeline, "send_micro_batch", lambda g, out: events.append(f"micro-batch {out}"))
+    monkeypatch.setattr(pipeline.dist, "send", lambda t, dst, group=None: events.append(f"tensor to {dst}"))
+    *_, busy = pipeline.run_stage(runner, groups, "mb")
+    assert events == ["layers", "micro-batch mb", "tensor to 1", "tensor to 1", "tensor to 1"]
+    assert len(busy) == 1 and busy[0] >= 0
+
+
+def test_decodes_ready_together_are_shared_by_the_two_micro_batches(tiny_checkpoints):
+    # eight prompts prefilled in one micro-batch come back together; each decode micro-batch then takes four of
+    # them (balance_micro_batches), so two are in flight instead of one with eight and an empty one
+    engine = LLMEngine(tiny_checkpoints["llama"], pipeline_parallel_size=2, num_kv_blocks=64, chunk_size=64,
+                       device="cpu", attention_backend="torch", record_batches=True)
+    try:
+        for i in range(8):
+            engine.add_request(f"r{i}", [5 + i, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                          ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        its = engine.stats().iterations
+        assert [it.num_prefills for it in its][:1] == [8]
+        assert [it.num_decodes for it in its[1:]] == [4] * 10
+        assert _no_request_in_two_batches_in_flight(engine) == 2
+    finally:
+        engine.shutdown()
 
 
 def _start(path) -> tuple[LLMEngine, list]:

@@ -4,6 +4,8 @@ roofline's pipelined stages. Torch-free."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sarathi_lite.bench.workload import RequestSpec, Workload
@@ -11,7 +13,7 @@ from sarathi_lite.metrics import IterationRecord, bubble_accounting
 from sarathi_lite.models.stages import stage_layers
 from sarathi_lite.scheduler import SchedulerConfig, SchedulerOutput
 from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel, StepTiming
-from sarathi_lite.sim.pipeline import PipelineCostModel
+from sarathi_lite.sim.pipeline import PipelineCostModel, head_layer_units
 from sarathi_lite.sim.roofline import roofline
 from sarathi_lite.sim.simulator import scheduler_config, simulate
 
@@ -92,6 +94,30 @@ def test_alternating_long_and_short_micro_batches_stall_the_pipeline_as_counted_
     # the same work in equal micro-batches (2 s each) idles only the fill and drain: 1 / (2 * 3 + 1)
     equal = simulate(workload(("a", 0.0, 8, 3), ("b", 0.0, 8, 3)), Alternating(2.0, 2.0), config(2))
     assert equal.summary()["bubble_fraction"] == pytest.approx(1 / 7)
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_decodes_that_become_ready_together_are_shared_by_the_micro_batches(balance):
+    # Four 2-token prompts arrive together and are prefilled in one micro-batch (0-1 s, 0.5 s a stage); their
+    # four rounds of decodes then come back together. Balanced (the default), each micro-batch takes ceil(4 / 2)
+    # = 2 of them, so two micro-batches overlap: 8 of them start every 0.5 s from 1 s, the last ends at 5.5, and
+    # each stage idles 1 s of 5.5 (2 / 11). Unbalanced, one micro-batch takes all four and the next finds none:
+    # one crosses at a time, ending at 2, 3, 4, 5, and each stage idles half of the 5 s.
+    cfg = dataclasses.replace(config(2), balance_micro_batches=balance)
+    result = simulate(workload(*((r, 0.0, 2, 5) for r in "abcd")), PipelineCostModel(ONE_SECOND, 2), cfg,
+                      record_batches=True)
+    its = result.stats.iterations
+    s = result.summary()
+    if balance:
+        assert [len(it.batch) for it in its] == [4] + [2] * 8
+        assert [(it.start_time, it.end_time) for it in its[1:]] == [pytest.approx((1 + k / 2, 2 + k / 2))
+                                                                    for k in range(8)]
+        assert s["bubble_fraction"] == pytest.approx(2 / 11)
+    else:
+        assert [len(it.batch) for it in its] == [4] * 5
+        assert [it.end_time for it in its] == pytest.approx([1, 2, 3, 4, 5])
+        assert s["bubble_fraction"] == pytest.approx(0.5)
+    assert s["num_requests"] == 4 and s["output_tokens"] == 20
 
 
 def test_a_lone_request_cannot_fill_the_pipeline_and_each_token_pays_every_stage_and_send():
@@ -184,6 +210,24 @@ def test_roofline_pipeline_stages_hold_their_layers_kv_and_parse_from_the_spec()
         roofline("1x100xh100", "llama3-70b")
     with pytest.raises(ValueError, match="leaves no memory"):
         roofline("1x2xa100-80gb", "falcon-180b")  # 180 GB of weights a stage
+
+
+def test_pipeline_cost_model_gives_the_last_stage_the_lm_head_of_the_sampling_rows():
+    # SmolLM2-135M: 30 layers; its LM head (49,152 x 576) weighs 8.0 layers (576 x 64 x (18 + 6) + 3 x 576 x 1536)
+    from types import SimpleNamespace
+
+    smol = SimpleNamespace(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=64)
+    head = head_layer_units(smol)
+    assert head == pytest.approx(49152 * 576 / (576 * 64 * 24 + 3 * 576 * 1536))
+    cost = PipelineCostModel(ONE_SECOND, 2, num_layers=30, head_layers=head)
+    decodes = _batch([(100 + i, 1, True) for i in range(8)])
+    _, stages, _ = cost.stage_timing(decodes)
+    assert stages == pytest.approx([15 * 8 / (30 * 8 + 8 * head), (15 * 8 + 8 * head) / (30 * 8 + 8 * head)])
+    chunk = _batch([(0, 256, False)])  # a prompt chunk that samples nothing: layers alone
+    assert cost.stage_timing(chunk)[1] == pytest.approx([0.5, 0.5])
+    with pytest.raises(ValueError, match="head_layers=-1"):
+        PipelineCostModel(ONE_SECOND, 2, head_layers=-1)
 
 
 def test_pipeline_cost_model_splits_any_step_time_by_the_stages_layers():

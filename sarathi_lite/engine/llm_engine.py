@@ -381,6 +381,7 @@ class LLMEngine:
                 self.kv_connector.save(save, self.runner)
                 self.scheduler.finish_kv_send(save.request_id)
         if out.is_empty:
+            self.metrics.record_preemptions(out)
             return []
         self.metrics.record_step(out, start, scheduled, end, finished, prepare_time=result.prepare_time,
                                  forward_time=result.forward_time, sample_time=result.sample_time,

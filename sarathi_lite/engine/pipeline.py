@@ -5,9 +5,13 @@ tensor-parallel rank ``r % T`` of stage ``r // T`` (``models.pipeline``: contigu
 (stage 0) schedules and samples. For each micro-batch (a ``SchedulerOutput``):
 
 - stage 0's ranks get it from rank 0 (a broadcast on their control group, as tensor parallelism does); every
-  rank of stage ``s`` < P - 1 sends it on to its peer (the same tensor-parallel rank) of stage ``s + 1``
-  (``send_micro_batch``), then runs its layers and sends the hidden states and residual ``[N, hidden]`` and the
-  seconds each stage so far spent on it (``run_stage``), all with point-to-point sends on a gloo group;
+  rank of stage ``s`` < P - 1 runs its layers, then sends the micro-batch, the hidden states and residual
+  ``[N, hidden]`` and the seconds each stage so far spent on it to its peer (the same tensor-parallel rank) of
+  stage ``s + 1`` (``run_stage``), all with point-to-point sends on a gloo group. The micro-batch travels with
+  its activations, after the stage's work, not before it: a gloo send waits until the receiver posts the
+  matching receive, and the next stage posts it only once it is done with the previous micro-batch, so a
+  stage that sent first would wait for the next stage before it could start its own layers (the two stages
+  would take turns instead of overlapping: a bubble of one half at P = 2);
 - the last stage's first rank sends those seconds and the sampling rows' logits ``[rows, vocab]`` float32 to rank 0
   (``send_logits``), which samples them.
 
@@ -62,7 +66,7 @@ def recv_micro_batch(groups: PipelineGroups) -> SchedulerOutput | None:
 def run_stage(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput
               ) -> tuple[torch.Tensor | None, list[int], float, float, list[float]]:
     """This stage's share of ``out``: receive the previous stage's activations (not on the first stage), run its
-    layers (``runner.forward``), send the activations on (not on the last). Returns ``runner.forward``'s
+    layers (``runner.forward``), send ``out`` and the activations on (not on the last). Returns ``runner.forward``'s
     ``(logits, rows, prepare seconds, forward seconds)`` and the seconds each stage up to this one spent on it."""
     model = runner.model
     pp = groups.pp
@@ -83,6 +87,7 @@ def run_stage(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput
         model.stage_output = None
         hidden, residual = hidden.cpu().contiguous(), residual.cpu().contiguous()
         busy.append(time.perf_counter() - t0)
+        send_micro_batch(groups, out)
         for t in (hidden, residual, torch.tensor(busy, dtype=torch.float64)):
             dist.send(t, groups.rank + groups.tp_size, group=groups.pipe)
     else:

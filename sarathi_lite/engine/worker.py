@@ -178,9 +178,9 @@ def serve(setup: RankSetup, rank: int, groups: Groups) -> None:
             out = message[0]
         else:
             out = recv_micro_batch(pipe)
-        if pipe is not None and not pipe.pp.is_last:
-            send_micro_batch(pipe, out)
         if out is None:
+            if pipe is not None and not pipe.pp.is_last:
+                send_micro_batch(pipe, None)  # stop the next stage too
             return
         if pipe is None:
             runner.forward(out)
@@ -329,7 +329,7 @@ class WorkerGroup:
         t0 = time.perf_counter()
         if self.tp.size > 1 or self.pp is None:
             dist.broadcast_object_list([out], src=0, group=self.control)
-        if self.pp is not None:
+        if self.pp is not None and out is None:  # a micro-batch goes on with its activations (run_stage)
             send_micro_batch(self.groups.pipeline, out)
         self.broadcast_seconds += time.perf_counter() - t0
 

@@ -50,23 +50,30 @@ class PipelineCostModel(CostModel):
     """``base`` (any cost model of the whole model on one device group) on ``num_stages`` pipeline stages.
 
     A micro-batch's stage ``s`` takes ``base``'s step time (one ``predict`` per micro-batch, jitter included)
-    times ``len(stage_layers(num_layers, num_stages, s)) / num_layers`` (``num_layers``: ``None`` splits it
-    equally). The send between consecutive stages takes ``link_latency + activation_bytes_per_token * tokens /
-    link_bandwidth`` seconds (bytes/s; the defaults make it free). The KV pool, host gap and scheduling time are
+    times the stage's share of the work: ``n_s * T / (num_layers * T + head_layers * R)`` for a micro-batch of
+    ``T`` tokens of which ``R`` rows sample, ``n_s = len(stage_layers(num_layers, num_stages, s))``, and the last
+    stage adds ``head_layers * R`` (its LM head). ``head_layers``: what the LM head costs a sampling row, in
+    layers' work per token (``head_layer_units``: its weights over a layer's; 0 leaves it out, splitting by
+    layers alone; ``num_layers``: ``None`` splits equally). The send between consecutive stages takes
+    ``link_latency + activation_bytes_per_token * tokens / link_bandwidth`` seconds (bytes/s; the defaults make
+    it free). The KV pool, host gap and scheduling time are
     ``base``'s. ``predict`` gives a micro-batch's time through the whole pipeline.
     """
 
     def __init__(self, base: CostModel, num_stages: int, *, num_layers: int | None = None,
                  activation_bytes_per_token: float = 0.0, link_bandwidth: float = math.inf,
-                 link_latency: float = 0.0) -> None:
+                 link_latency: float = 0.0, head_layers: float = 0.0) -> None:
         check_pipeline_parallel(num_layers if num_layers is not None else num_stages, num_stages)
-        if not link_bandwidth > 0 or activation_bytes_per_token < 0 or link_latency < 0:
+        if not link_bandwidth > 0 or activation_bytes_per_token < 0 or link_latency < 0 or not head_layers >= 0:
             raise ValueError(f"link_bandwidth={link_bandwidth!r} must be positive, activation_bytes_per_token="
-                             f"{activation_bytes_per_token!r} and link_latency={link_latency!r} non-negative")
+                             f"{activation_bytes_per_token!r}, link_latency={link_latency!r} and head_layers="
+                             f"{head_layers!r} non-negative")
         self.base = base
         self.pipeline_parallel_size = num_stages
-        layers = num_layers or num_stages
-        self.shares = [len(stage_layers(layers, num_stages, s)) / layers for s in range(num_stages)]
+        self.num_layers = layers = num_layers or num_stages
+        self.stage_num_layers = [len(stage_layers(layers, num_stages, s)) for s in range(num_stages)]
+        self.shares = [n / layers for n in self.stage_num_layers]
+        self.head_layers = float(head_layers)
         self.activation_bytes_per_token = activation_bytes_per_token
         self.link_bandwidth, self.link_latency = link_bandwidth, link_latency
         self.step_gap = base.step_gap
@@ -81,7 +88,18 @@ class PipelineCostModel(CostModel):
     def stage_timing(self, out: SchedulerOutput) -> tuple[float, list[float], float]:
         """``(schedule_time, stage_times, send_time)`` of one micro-batch (one draw of ``base``'s jitter)."""
         timing = self.base.predict(out)
-        return timing.schedule_time, [timing.step_time * share for share in self.shares], self.send_time(out)
+        return timing.schedule_time, self.split(timing.step_time, out), self.send_time(out)
+
+    def split(self, step_time: float, out: SchedulerOutput) -> list[float]:
+        """``step_time`` (the whole model's, on ``out``) split into the stages' shares (see the class)."""
+        if not self.head_layers:
+            return [step_time * share for share in self.shares]
+        tokens = out.num_prefill_tokens + out.num_decode_tokens
+        head = self.head_layers * sum(1 for s in out.scheduled if s.sample)
+        work = [n * tokens for n in self.stage_num_layers]
+        work[-1] += head
+        total = sum(work)
+        return [step_time * w / total for w in work] if total else [0.0] * len(work)
 
     def predict(self, out: SchedulerOutput) -> StepTiming:
         timing = self.base.predict(out)
@@ -99,8 +117,22 @@ class PipelineCostModel(CostModel):
 
     def describe(self) -> dict[str, Any]:
         return {**self.base.describe(), "pipeline_parallel_size": self.pipeline_parallel_size,
+                "pipeline_num_layers": self.num_layers, "pipeline_head_layers": self.head_layers,
                 "pipeline_activation_bytes_per_token": self.activation_bytes_per_token,
                 "pipeline_link_bandwidth": self.link_bandwidth, "pipeline_link_latency": self.link_latency}
+
+
+def head_layer_units(config: Any) -> float:
+    """The LM head's weights over one decoder layer's (query, key, value and output projections and a gated
+    MLP), for ``config`` with ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_attention_heads`` /
+    ``num_heads``, ``num_key_value_heads`` / ``num_kv_heads`` and ``head_dim`` (optional): ``PipelineCostModel``'s
+    ``head_layers``. Per token both are one multiply-add per weight, so this is also their ratio of work."""
+    hidden = config.hidden_size
+    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
+    return config.vocab_size * hidden / layer
 
 
 def pipeline_parallel_size(cost_model: CostModel) -> int:
@@ -191,3 +223,5 @@ def _complete(scheduler: Any, metrics: MetricsRecorder, batch: _MicroBatch) -> N
     finished = scheduler.update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
     if out.scheduled:
         metrics.record_step(out, batch.start, batch.schedule_end, batch.end, finished, stage_busy=batch.stage_busy)
+    else:
+        metrics.record_preemptions(out)

@@ -120,6 +120,8 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
         if out.scheduled:
             record(out, start, start + timing.schedule_time, ready, finished)
             scheduler.observe(out, timing.step_time)
+        elif out.preempted_ids:
+            metrics.record_preemptions(out)
     description = cost_model.describe()
     config_record = run_config(config, chunk_size, model=description["model"], dtype=description["dtype"],
                                device=description["device"], attention_backend=description["attention_backend"])
