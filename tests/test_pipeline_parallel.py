@@ -183,7 +183,7 @@ def test_a_stage_sends_the_micro_batch_on_only_after_its_own_layers(monkeypatch)
         model.stage_output = (torch.zeros(2, 4), torch.zeros(2, 4))
         return None, [], 0.0, 0.0
 
-    runner = SimpleNamespace(model=model, forward=forward)
+    runner = SimpleNamespace(model=model, forward=forward, device=CPU)
     groups = SimpleNamespace(pp=PipelineParallel(0, 2), rank=0, tp_size=1, pipe=None)
     monkeypatch.setattr(pipeline, "send_micro_batch", lambda g, out: events.append(f"micro-batch {out}"))
     monkeypatch.setattr(pipeline.dist, "send", lambda t, dst, group=None: events.append(f"tensor to {dst}"))

@@ -16,8 +16,9 @@ tensor-parallel rank ``r % T`` of stage ``r // T`` (``models.pipeline``: contigu
   (``send_logits``), which samples them.
 
 Rank 0 hands a micro-batch to stage 1 and returns to schedule the next, so up to P micro-batches are in flight
-(the engine's batch queue, ``max_concurrent_batches`` = P); they pass every stage in order. Tensors cross the
-gloo groups on the CPU (a copy on CUDA).
+(the engine's batch queue, ``max_concurrent_batches`` = P); they pass every stage in order. Activations cross on
+the default process group: gloo on the CPU, NCCL device to device on CUDA (not yet run on GPUs); the micro-batch,
+the busy seconds and the logits cross gloo groups on the CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from sarathi_lite.scheduler import SchedulerOutput
 @dataclass(slots=True)
 class PipelineGroups:
     """This rank's place in the pipeline (global ``rank``; ``tp_size`` ranks a stage) and its gloo groups:
-    ``pipe`` (every rank; micro-batches and activations) and ``logits`` (rank 0 and the last stage's first)."""
+    ``pipe`` (gloo, every rank: micro-batches and busy seconds) and ``logits`` (gloo, rank 0 and the last stage's
+    first). Activations go over the default group: gloo on the CPU, NCCL on CUDA (device to device, no host
+    copy)."""
 
     pp: PipelineParallel
     tp_size: int
@@ -71,13 +74,15 @@ def run_stage(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput
     model = runner.model
     pp = groups.pp
     busy: list[float] = []
+    on = activation_device(runner.device)
     if not pp.is_first:
         n = sum(s.num_new_tokens for s in out.scheduled)
-        hidden = torch.empty(n, model.config.hidden_size, dtype=runner.kv_cache.dtype)
+        hidden = torch.empty(n, model.config.hidden_size, dtype=runner.kv_cache.dtype, device=on)
         residual, times = torch.empty_like(hidden), torch.empty(pp.stage, dtype=torch.float64)
         src = groups.rank - groups.tp_size
-        for t in (hidden, residual, times):
-            dist.recv(t, src, group=groups.pipe)
+        dist.recv(hidden, src)
+        dist.recv(residual, src)
+        dist.recv(times, src, group=groups.pipe)
         model.stage_input = (hidden.to(runner.device), residual.to(runner.device))
         busy = times.tolist()
     t0 = time.perf_counter()
@@ -85,14 +90,22 @@ def run_stage(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput
     if not pp.is_last:
         hidden, residual = model.stage_output
         model.stage_output = None
-        hidden, residual = hidden.cpu().contiguous(), residual.cpu().contiguous()
+        hidden, residual = hidden.to(on).contiguous(), residual.to(on).contiguous()
         busy.append(time.perf_counter() - t0)
+        dst = groups.rank + groups.tp_size
         send_micro_batch(groups, out)
-        for t in (hidden, residual, torch.tensor(busy, dtype=torch.float64)):
-            dist.send(t, groups.rank + groups.tp_size, group=groups.pipe)
+        dist.send(hidden, dst)
+        dist.send(residual, dst)
+        dist.send(torch.tensor(busy, dtype=torch.float64), dst, group=groups.pipe)
     else:
         busy.append(time.perf_counter() - t0)
     return logits, rows, prepare_time, forward_time, busy
+
+
+def activation_device(device: torch.device) -> torch.device:
+    """Where activations cross between stages: on ``device`` when the default group is NCCL (CUDA), else on the
+    CPU (gloo)."""
+    return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def send_logits(groups: PipelineGroups, busy: list[float], logits: torch.Tensor | None) -> None:
