@@ -69,14 +69,14 @@ def probe_row(result: Any, slo: float) -> dict[str, Any]:
             "throughput_requests_per_s": s["throughput_requests_per_s"]}
 
 
-def search(task: tuple[str, str, str, str, int, int]) -> dict[str, Any]:
-    spec, wl_name, slo_name, policy, n, probes = task
+def search(task: tuple[str, str, str, str, int, int, float]) -> dict[str, Any]:
+    spec, wl_name, slo_name, policy, n, probes, high = task
     cost = load_cost_model(spec)
     chunk, seats = CONFIGS[slo_name][policy]
     config = scheduler_config(cost, policy, chunk, max_num_seqs=seats, **FCFS)
     wl = workload(wl_name, n)
     slo = SLO(SLOS[slo_name], 2.0)
-    found = search_capacity(lambda q: simulate(wl.at_qps(q), cost, config, chunk_size=chunk), slo, 0.1, 8.0, probes)
+    found = search_capacity(lambda q: simulate(wl.at_qps(q), cost, config, chunk_size=chunk), slo, 0.1, high, probes)
     rows = [{"qps": p.qps, "passed": p.passed, **probe_row(p.result, slo.tbt_p99)} for p in found.probes]
     return {"cost_model": spec, "workload": wl_name, "slo": slo_name, "policy": policy, "chunk_size": chunk,
             "max_num_seqs": seats, "capacity": found.capacity, "failed_above": found.failed_above,
@@ -88,13 +88,15 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--probes", type=int, default=7)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--high", type=float, default=8.0, help="top of the capacity search range (req/s; bottom 0.1)")
+    ap.add_argument("--slos", default="strict,relaxed")
     ap.add_argument("--workloads", default="conversation,openchat_sharegpt4")
     ap.add_argument("--policies", default="sarathi,vllm,orca")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    tasks = [(spec, wl, slo, pol, args.requests, args.probes)
+    tasks = [(spec, wl, slo, pol, args.requests, args.probes, args.high)
              for spec in ("roofline:a100-80gb:mistral-7b", "roofline-uncalibrated:a100-80gb:mistral-7b")
-             for wl in args.workloads.split(",") for slo in ("strict", "relaxed") for pol in args.policies.split(",")]
+             for wl in args.workloads.split(",") for slo in args.slos.split(",") for pol in args.policies.split(",")]
     with ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(search, tasks))
     for r in results:
@@ -107,7 +109,7 @@ def main() -> int:
                   f"{p['mean_decodes_per_step']:.1f}, largest prefill step {p['largest_prefill_step_tokens']} tok, "
                   f"{p['throughput_requests_per_s']:.2f} req/s done")
     if args.out:
-        Path(args.out).write_text(json.dumps({"requests": args.requests, "probes": args.probes,
+        Path(args.out).write_text(json.dumps({"requests": args.requests, "probes": args.probes, "high": args.high,
                                               "results": results}, indent=1) + "\n")
     return 0
 
