@@ -9,9 +9,12 @@ DIR is laid out like Vidur's ``data/profiling`` (``compute/<gpu>/<org>/<model>/m
 operators at one token count and tensor-parallel degree) is predicted three ways: the uncalibrated roofline
 (0.7 of peak FLOP/s, 0.85 of bandwidth), the calibration fitted to all of the GPU's models (in sample), and the
 calibration fitted without that model (held out: the number that says how far a new model shape can be trusted).
-Targets on held-out models: median |error| <= 5%, p90 <= 15%; all-reduce within 10% of the measured times
-(median; the p90 within 10%, or, where the measured time itself falls as messages grow, within 2 points of the
-best non-decreasing curve through the measurements: the model keeps step times non-decreasing in tokens).
+Targets on held-out models: median |error| <= 5%, p90 <= 15%; all-reduce within 10% of the measured times:
+median and p90 over every measured size (fitted on all of them), median on held-out sizes (fitted on every
+other size, checked on the rest), and p90 on the held-out sizes whose own repetitions agree within 20 %
+("stable"; Vidur times each size three times, and below 4 MB the three often land in two states 3-5x apart, so
+such a size's median is not a measurement a model can be within 10 % of: their share is printed, and the p90
+over all held-out sizes beside it).
 ``--write-package-data`` writes the all-model fits to ``sarathi_lite/costs/data/<gpu>.json``. Simulation-free;
 about 20 s.
 """
@@ -33,7 +36,7 @@ from sarathi_lite.sim.gpu_fit import (
     isotonic,
     network_dir,
     predict_rows,
-    read_collective,
+    read_collective_rows,
     read_profiles,
     roofline_rows,
 )
@@ -103,35 +106,41 @@ def main() -> int:
             print(f"{'all rows, ' + k:<34} median {_pct(s['median'])}, |err| median {100 * s['abs_median']:.1f}% "
                   f"p90 {100 * s['abs_p90']:.1f}% worst {100 * s['abs_max']:.1f}%")
         collectives = {}
+        held = fit_calibration(mine, net, holdout=True)
+        print(f"{'collective':<16} {'sizes':>5} {'knots':>5} | {'fit, all sizes':^14} | {'sizes held out':^14} | "
+              f"{'unstable':>8} | {'stable sizes: fit / held':^24} | {'non-decr.':>9} | ring formula")
+        print(f"{'':<16} {'':>5} {'':>5} | {'med':>6} {'p90':>6} | {'med':>6} {'p90':>6} | {'share':>8} | "
+              f"{'p90':>11} {'p90':>11} | {'best p90':>9} | sgn med / p90")
         for name in ("all_reduce", "send_recv"):
-            measured = read_collective(net / f"{name}.csv")
+            measured = read_collective_rows(net / f"{name}.csv")
             curve = getattr(full, name)
-            held = fit_calibration(mine, net, holdout=True)
-            held_errs = collective_errors(getattr(held, name), {w: (x[1::2], y[1::2])
-                                                                for w, (x, y) in measured.items()})
-            ring = {}
-            for w, (x, y) in measured.items():  # the uncalibrated ring formula, RooflineCostModel's
-                link = hw.interconnect_bandwidth * 0.85
-                factor = 2 * (w - 1) / w if name == "all_reduce" else 1.0
-                ring[w] = (hw.interconnect_latency + factor * x / link) / y - 1
             collectives[name] = {}
-            for w, e in collective_errors(curve, measured).items():
-                x, y = measured[w]
-                s = {"fit": error_summary(e), "held_out_sizes": error_summary(held_errs[w]),
-                     "ring_formula": error_summary(ring[w]), "knots": len(curve.knots[w][0]),
+            for w, rows in measured.items():
+                x, y, stable = rows.nbytes, rows.seconds, rows.stable
+                fit_e = collective_errors(curve, {w: (x, y)})[w]
+                held_e = collective_errors(getattr(held, name), {w: (x[1::2], y[1::2])})[w]
+                link = hw.interconnect_bandwidth * 0.85  # the uncalibrated ring formula, RooflineCostModel's
+                factor = 2 * (w - 1) / w if name == "all_reduce" else 1.0
+                ring = (hw.interconnect_latency + factor * x / link) / y - 1
+                s = {"fit": error_summary(fit_e), "held_out_sizes": error_summary(held_e),
+                     "unstable_share": float(1 - stable.mean()),
+                     "fit_stable": error_summary(fit_e[stable]),
+                     "held_out_sizes_stable": error_summary(held_e[stable[1::2]]),
+                     "ring_formula": error_summary(ring), "knots": len(curve.knots[w][0]),
                      "monotone_bound": error_summary(isotonic(y) / y - 1)}
                 collectives[name][str(w)] = s
-                held_s = s["held_out_sizes"]
-                if name == "all_reduce" and (held_s["abs_median"] > TARGET_ALL_REDUCE or held_s["abs_p90"] >
-                                             max(TARGET_ALL_REDUCE, s["monotone_bound"]["abs_p90"] + 0.02)):
+                if name == "all_reduce" and (s["fit"]["abs_median"] > TARGET_ALL_REDUCE
+                                             or s["held_out_sizes"]["abs_median"] > TARGET_ALL_REDUCE
+                                             or s["fit"]["abs_p90"] > TARGET_ALL_REDUCE
+                                             or s["held_out_sizes_stable"]["abs_p90"] > TARGET_ALL_REDUCE):
                     failures.append(f"{gpu}/all_reduce/{w}")
-                print(f"{name} {w} GPUs ({len(e)} sizes): |err| median {100 * s['fit']['abs_median']:.1f}% "
-                      f"p90 {100 * s['fit']['abs_p90']:.1f}% worst {100 * s['fit']['abs_max']:.1f}%; "
-                      f"sizes held out: median {100 * s['held_out_sizes']['abs_median']:.1f}% "
-                      f"p90 {100 * s['held_out_sizes']['abs_p90']:.1f}%; ring formula (10 us + bytes at 0.85 "
-                      f"of NVLink): median {_pct(s['ring_formula']['median'])}, "
-                      f"|err| p90 {100 * s['ring_formula']['abs_p90']:.0f}%; best non-decreasing curve: p90 "
-                      f"{100 * s['monotone_bound']['abs_p90']:.1f}%")
+                print(f"{name + ' x' + str(w):<16} {len(x):>5} {s['knots']:>5} | "
+                      f"{100 * s['fit']['abs_median']:>5.1f}% {100 * s['fit']['abs_p90']:>5.1f}% | "
+                      f"{100 * s['held_out_sizes']['abs_median']:>5.1f}% {100 * s['held_out_sizes']['abs_p90']:>5.1f}%"
+                      f" | {100 * s['unstable_share']:>7.0f}% | {100 * s['fit_stable']['abs_p90']:>10.1f}% "
+                      f"{100 * s['held_out_sizes_stable']['abs_p90']:>10.1f}% | "
+                      f"{100 * s['monotone_bound']['abs_p90']:>8.1f}% | {_pct(s['ring_formula']['median'])} / "
+                      f"{100 * s['ring_formula']['abs_p90']:.0f}%")
         report["gpus"][gpu] = {"device": hw.name, "models": models, "all_rows": per_gpu, "collectives": collectives,
                                "gemm_attained": {"flops": full.gemm_flops, "bandwidth": full.gemm_bandwidth,
                                                  "launch_floor_s": full.families["gemm"][0]}}
@@ -140,8 +149,8 @@ def main() -> int:
               f" of peak at one token); launch floor {1e6 * full.families['gemm'][0]:.1f} us per projection")
     report["targets"] = {"held_out_median": TARGET_MEDIAN, "held_out_p90": TARGET_P90,
                          "all_reduce": TARGET_ALL_REDUCE, "missed": failures}
-    print("\ntargets (held out: median |err| <= 5%, p90 <= 15%; all-reduce on held-out sizes: median <= 10%, p90 <= "
-          "10% or within 2 points of the best non-decreasing curve through the measurements): "
+    print("\ntargets (held out: median |err| <= 5%, p90 <= 15%; all-reduce: median <= 10% fitted and on held-out "
+          "sizes, p90 <= 10% fitted on every size and on the held-out sizes whose repetitions agree): "
           + ("all met" if not failures else "missed: " + ", ".join(failures)))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

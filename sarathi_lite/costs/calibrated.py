@@ -7,8 +7,8 @@ and tensor parallel 1 to 8, and NCCL all-reduce and send/recv times. Only the fi
 (``data/<gpu>.json``, a few kB each); ``sarathi_lite.sim.gpu_fit`` fits them and
 ``benchmarks/gpu_calibration.py`` measures their error, model by model, leaving each model out of its own fit.
 
-How an operator's time is modelled (each family's coefficients are non-negative, so every predicted time is
-non-decreasing in tokens):
+How an operator's time is modelled (each family's coefficients are non-negative, so every operator's predicted
+time is non-decreasing in tokens):
 
 - matrix multiplications (QKV, output, gate/up and down projections, the LM head) of ``T`` tokens, ``K`` inputs
   and ``N`` outputs per rank: ``c0 + c_w * weight bytes + c_a * activation bytes + c_p * padded FLOPs + c_f *
@@ -19,9 +19,11 @@ non-decreasing in tokens):
   (a 129-token product costs about as much as a 256-token one at large ``N``);
 - element-wise operators (RMSNorm, rotary embedding, SiLU-and-mul, residual add, embedding lookup):
   ``c0 + c_b * bytes`` each, one family per operator;
-- all-reduce (two per layer under tensor parallelism) and send/recv: the measured median time against message
-  bytes at log-spaced sizes, per number of GPUs, made non-decreasing and interpolated linearly; the logits'
-  gather costs an all-reduce of half its bytes (a ring all-gather moves half what a ring all-reduce does).
+- all-reduce (two per layer under tensor parallelism) and send/recv: a table of the measured median times
+  against message bytes, per number of GPUs, interpolated linearly (dips included: NCCL's protocol and
+  algorithm switches make some larger messages cheaper, so under tensor parallelism a step's collectives are
+  not non-decreasing in tokens; everything else is); the logits' gather costs an all-reduce of half its bytes
+  (a ring all-gather moves half what a ring all-reduce does).
 
 Attention is NOT measured (Vidur's attention files were not available). It stays analytic, priced as the
 uncalibrated roofline prices it (``RooflineCostModel.work``'s FLOPs and bytes at 0.7 of peak FLOP/s and 0.85 of
@@ -127,8 +129,12 @@ def operator_terms(op: str, tokens: np.ndarray | float, shape: LayerShape) -> np
 
 @dataclass(slots=True)
 class Collective:
-    """A measured collective's time (s) against message bytes, per number of GPUs: non-decreasing knots,
-    linear between them, the last segment's slope beyond the last knot, the first knot's time below it."""
+    """A measured collective's time (s) against message bytes, per number of GPUs: a table of knots, linear
+    between them, the first knot's time below the first size and, beyond the last, the bandwidth of the largest
+    messages (the average slope over the upper half of the measured sizes).
+
+    The table follows the measurements, so it is not non-decreasing everywhere: NCCL switches protocol and
+    algorithm at size thresholds and a larger message can be cheaper (docs/gpu_calibration.md, "Collectives")."""
 
     knots: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
 
@@ -139,7 +145,9 @@ class Collective:
         x, y = self.knots[workers]
         if nbytes <= x[-1]:
             return float(np.interp(nbytes, x, y))
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        j = int(np.searchsorted(x, x[-1] / 2))
+        j = min(j, len(x) - 2)
+        slope = max((y[-1] - y[j]) / (x[-1] - x[j]), 0.0)
         return y[-1] + slope * (nbytes - x[-1])
 
     @classmethod

@@ -5,7 +5,7 @@ and ``send_recv.csv``; times in milliseconds), and measure how well they predict
 - ``read_profiles(root)``: every model file as a ``ProfileTable`` (the median of repeated rows);
 - ``fit_calibration(tables, network)``: per operator family, non-negative least squares on the squared relative
   error of every operator's time (so a 10 us decode kernel counts as much as a 10 ms prefill one); the
-  collectives' curves at log-spaced message sizes;
+  collectives' tables of measured times (``fit_collective``);
 - ``row_errors``: each row's predicted layer time (the sum of its operators) against the measured one, for a
   calibration or for the uncalibrated roofline formula.
 
@@ -37,9 +37,6 @@ from sarathi_lite.costs.roofline import Hardware
 from sarathi_lite.sim.cost_model import nnls
 
 MS = 1e-3
-COLLECTIVE_KNOTS = 80
-"""Log-spaced (and as many evenly spaced) message sizes kept per measured collective curve (4 kB to 128 MB in
-Vidur's files)."""
 
 
 @dataclass(slots=True)
@@ -122,21 +119,54 @@ def fit_families(tables: Sequence[ProfileTable]) -> dict[str, tuple[float, ...]]
     return out
 
 
-def read_collective(path: str | Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """A Vidur network file: per number of GPUs, message bytes (``2 * size``: float16 elements) and the median
-    seconds of repeated rows, sorted by size. Only rows with every GPU in one node (``devices_per_node ==
-    num_workers``, the tensor-parallel case) count: the files also time the same collectives across nodes."""
-    by: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+@dataclass(slots=True)
+class CollectiveRows:
+    """One collective at one number of GPUs: message bytes (sorted), the median seconds of each size and whether
+    that size's repetitions agree (``stable``: the spread of its timed repetitions, max - min, is at most
+    ``UNSTABLE_SPREAD`` of its median; files without min/max columns count as stable)."""
+
+    nbytes: np.ndarray
+    seconds: np.ndarray
+    stable: np.ndarray
+
+
+UNSTABLE_SPREAD = 0.2
+"""A measured size whose repetitions spread by more than this fraction of their median (max - min) is a
+measurement that disagrees with itself by more than twice the 10 % target: the fit keeps it (through a running
+median), and its error is reported apart (docs/gpu_calibration.md, "Collectives")."""
+COLLECTIVE_WINDOW = 5
+COLLECTIVE_TOLERANCE = 0.03
+
+
+def read_collective_rows(path: str | Path) -> dict[int, CollectiveRows]:
+    """A Vidur network file: per number of GPUs, message bytes (``2 * size``: float16 elements), the median
+    seconds (sizes measured twice: the median of both) and whether each size's repetitions agree. Only rows with
+    every GPU in one node (``devices_per_node == num_workers``, the tensor-parallel case) count: the files also
+    time the same collectives across nodes."""
+    by: dict[int, dict[int, list[tuple[float, bool]]]] = defaultdict(lambda: defaultdict(list))
     with Path(path).open() as f:
         reader = csv.DictReader(f)
         col = next(c for c in reader.fieldnames or () if c.startswith("time_stats.") and c.endswith(".median"))
+        lo, hi = col.replace(".median", ".min"), col.replace(".median", ".max")
         for r in reader:
             workers = int(r["num_workers"])
             if int(r.get("devices_per_node") or workers) != workers:
                 continue
-            by[workers][2 * int(r["size"])].append(float(r[col]) * MS)
-    return {w: (np.array(sorted(d), dtype=float), np.array([statistics.median(d[s]) for s in sorted(d)]))
-            for w, d in sorted(by.items())}
+            median = float(r[col])
+            stable = not (r.get(lo) and r.get(hi)) or float(r[hi]) - float(r[lo]) <= UNSTABLE_SPREAD * median
+            by[workers][2 * int(r["size"])].append((median * MS, stable))
+    out = {}
+    for w, d in sorted(by.items()):
+        sizes = sorted(d)
+        out[w] = CollectiveRows(np.array(sizes, dtype=float),
+                                np.array([statistics.median(t for t, _ in d[s]) for s in sizes]),
+                                np.array([all(ok for _, ok in d[s]) for s in sizes]))
+    return out
+
+
+def read_collective(path: str | Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """``read_collective_rows`` as ``(bytes, seconds)`` per number of GPUs, every measured size."""
+    return {w: (r.nbytes, r.seconds) for w, r in read_collective_rows(path).items()}
 
 
 def isotonic(y: np.ndarray) -> np.ndarray:
@@ -151,21 +181,51 @@ def isotonic(y: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(int(c), m) for m, c in blocks])
 
 
-def fit_collective(measured: dict[int, tuple[np.ndarray, np.ndarray]], knots: int = COLLECTIVE_KNOTS,
+def running_median(y: np.ndarray, window: int = COLLECTIVE_WINDOW) -> np.ndarray:
+    """Each value replaced by the median of the ``window`` values centred on it (fewer at the ends)."""
+    h = window // 2
+    return np.array([np.median(y[max(0, i - h):i + h + 1]) for i in range(len(y))])
+
+
+def knot_indices(x: np.ndarray, y: np.ndarray, tolerance: float = COLLECTIVE_TOLERANCE) -> np.ndarray:
+    """The fewest points (greedily, left to right) whose piecewise-linear interpolation stays within
+    ``tolerance`` (relative) of every point of ``(x, y)``; always the first and the last."""
+    idx, i = [0], 0
+    while i < len(x) - 1:
+        j = i + 1
+        while j + 1 < len(x):
+            seg = slice(i, j + 2)
+            line = np.interp(x[seg], [x[i], x[j + 1]], [y[i], y[j + 1]])
+            if np.max(np.abs(line / y[seg] - 1)) > tolerance:
+                break
+            j += 1
+        idx.append(j)
+        i = j
+    return np.array(idx)
+
+
+def fit_collective(measured: dict[int, CollectiveRows | tuple[np.ndarray, np.ndarray]], *,
+                   window: int = COLLECTIVE_WINDOW, tolerance: float = COLLECTIVE_TOLERANCE,
                    holdout: bool = False) -> Collective:
-    """Per number of GPUs: the measured times made non-decreasing in size (``isotonic``: a larger message never
-    costs less; where NCCL switches protocol a measured curve dips, and the fit averages the dip), kept at
-    ``knots`` log-spaced and as many evenly spaced sizes (the files measure sizes evenly, and the large ones
-    matter for prefills), 4 significant digits. holdout: fit on every other measured size only (the rest
-    checks it)."""
+    """Per number of GPUs, a table of the measured times against message bytes, as NCCL measured them, dips
+    included (a protocol or algorithm switch can make a larger message cheaper; the table does not force the
+    curve to be non-decreasing): every measured size's median replaced by the running median of ``window``
+    neighbours (an isolated size measured in the other of two states, see ``UNSTABLE_SPREAD``, does not move the
+    curve), kept at the fewest knots that interpolate them within ``tolerance``, 4 significant digits.
+    holdout: fit on every other measured size only (the rest checks it)."""
     out = {}
-    for w, (x, y) in measured.items():
+    for w, rows in measured.items():
+        if not isinstance(rows, CollectiveRows):
+            rows = CollectiveRows(rows[0], rows[1], np.ones(len(rows[0]), dtype=bool))
+        keep = np.ones(len(rows.nbytes), dtype=bool)
         if holdout:
-            x, y = x[::2], y[::2]
-        mono = isotonic(y)
-        targets = np.union1d(np.geomspace(x[0], x[-1], knots), np.linspace(x[0], x[-1], knots))
-        idx = np.unique(np.searchsorted(x, targets).clip(0, len(x) - 1))
-        out[w] = (tuple(float(v) for v in x[idx]), tuple(float(f"{v:.4g}") for v in mono[idx]))
+            keep[1::2] = False
+        x, y = rows.nbytes[keep], rows.seconds[keep]
+        if len(x) < 2:
+            raise ValueError(f"all-reduce/send-recv over {w} GPUs: {len(x)} usable sizes, need at least 2")
+        smooth = running_median(y, window)
+        idx = knot_indices(x, smooth, tolerance)
+        out[w] = (tuple(int(v) for v in x[idx]), tuple(float(f"{v:.4g}") for v in smooth[idx]))
     return Collective(out)
 
 
@@ -190,8 +250,8 @@ def fit_calibration(tables: Sequence[ProfileTable], network: str | Path, *, sour
     meta = {"source": source, "models": sorted(t.model for t in tables),
             "rows": int(sum(len(t.tokens) for t in tables)), "schema": CALIBRATION_SCHEMA}
     return GpuCalibration(gpus.pop(), fit_families(tables),
-                          fit_collective(read_collective(network / "all_reduce.csv"), holdout=holdout),
-                          fit_collective(read_collective(network / "send_recv.csv"), holdout=holdout), meta)
+                          fit_collective(read_collective_rows(network / "all_reduce.csv"), holdout=holdout),
+                          fit_collective(read_collective_rows(network / "send_recv.csv"), holdout=holdout), meta)
 
 
 def predict_rows(calibration: GpuCalibration, table: ProfileTable) -> np.ndarray:
