@@ -39,6 +39,7 @@ import datetime
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -170,9 +171,15 @@ def map_markdown(cells: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cost_spec(setup: str, uncalibrated: bool = False) -> str:
+    """The setup's cost model: the roofline calibrated on measured H100 timings, or the analytic formula."""
+    spec = SETUPS[setup][0]
+    return spec.replace("roofline:", "roofline-uncalibrated:", 1) if uncalibrated else spec
+
+
 def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: Link, threshold: int,
-              limits: tuple[int, int]) -> dict[str, Any] | None:
-    spec, lowest = SETUPS[setup]
+              limits: tuple[int, int], uncalibrated: bool = False) -> dict[str, Any] | None:
+    spec, lowest = cost_spec(setup, uncalibrated), SETUPS[setup][1]
     cm = load_cost_model(spec)
     colocated, disagg = organizations(cm, num_gpus, link, threshold)
     if not colocated:
@@ -183,7 +190,7 @@ def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: L
     cells = cell_map(Family("colocated", c_sweeps), Family("disaggregated", d_sweeps))
     logger.info("%s %s %d GPUs: %d organizations in %.0f s", setup, trace, num_gpus, len(colocated) + len(disagg),
                 time.perf_counter() - wall)
-    return {"setup": setup, "trace": trace, "num_gpus": num_gpus, "cells": cells,
+    return {"setup": setup, "cost_model": spec, "trace": trace, "num_gpus": num_gpus, "cells": cells,
             "sweeps": {s.label: {"rates": s.rates, "attainment": {f"{a}/{b}": s.attainment(a, b)
                                                                   for a in TTFT_SLOS for b in TBT_SLOS},
                                  "transfer_time_p50": [r.summary()["transfer_time_p50"] for r in s.results]}
@@ -254,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sweep-at", nargs=4, metavar=("SETUP", "TRACE", "GPUS", "TTFT/TBT"),
                    default=["llama3-8b", "conversation", "4", "auto"],
                    help="the bandwidth sweep's setup, trace, GPU count and cell ('auto': where D wins by most)")
+    p.add_argument("--uncalibrated", action="store_true",
+                   help="price steps with the analytic roofline formula (roofline-uncalibrated:), as the maps made "
+                        "before the calibration did")
     p.add_argument("--quick", action="store_true", help="8B, conversation, 2 GPUs, 100 requests, 3 bandwidths")
     p.add_argument("--out", default="docs/colocate_vs_disaggregate.json")
     args = p.parse_args(argv)
@@ -274,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for trace in args.traces:
             for g in args.gpus:
                 entry = run_setup(setup, trace, g, workloads[trace], link, args.threshold,
-                                  (args.requests, args.max_requests))
+                                  (args.requests, args.max_requests), args.uncalibrated)
                 if entry is None:
                     continue
                 entries.append(entry)
@@ -290,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("\n### Transfer bandwidth sweep\n")
         print(sweep_markdown(sweep_result))
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": host(),
+              "command": "python benchmarks/colocate_vs_disaggregate.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                     else argv),
               "wall_time": time.perf_counter() - wall, "link": link.name,
               "requests": [args.requests, args.max_requests], "threshold": args.threshold,
               "attainment": DEFAULT_ATTAINMENT,

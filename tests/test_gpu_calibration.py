@@ -151,6 +151,19 @@ def test_all_reduce_table_keeps_real_dips_and_shrugs_off_sizes_whose_repetitions
         fit_collective({2: (np.array([1.0]), np.array([1e-5]))})
 
 
+def test_remembered_operator_times_equal_freshly_computed_ones():
+    model, fresh = load_cost_model("roofline:h100:llama3-8b"), load_cost_model("roofline:h100:llama3-8b")
+    batches = [_batch([1000] * 32), _batch([1000] * 16, [(500, 300, False)]), _batch([], [(0, 700, True)]),
+               _batch([2000] * 32), _batch([1000] * 16, [(800, 300, True)])]
+    first = [model.predict_step_time(b) for b in batches]
+    again = [model.predict_step_time(b) for b in batches]  # the same (tokens, sampled) pairs, now remembered
+    assert len(model._operator_times) == 4  # 32 decodes at 1k and at 2k context share their operators
+    assert first == again
+    for b in batches:
+        tokens, sampled = b.num_prefill_tokens + b.num_decode_tokens, sum(s.sample for s in b.scheduled)
+        assert model.operators_time(b) == fresh._operators_time(tokens, sampled)
+
+
 def test_roofline_specs_are_calibrated_where_measured_and_the_old_formula_stays_available():
     cal, old = load_cost_model("roofline:h100:llama3-8b"), load_cost_model("roofline-uncalibrated:h100:llama3-8b")
     assert type(old) is RooflineCostModel and isinstance(cal, CalibratedCostModel)

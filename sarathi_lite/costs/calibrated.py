@@ -235,12 +235,22 @@ class CalibratedCostModel(RooflineCostModel):
         self.calibration = calibration
         self.shape = LayerShape.of(model, self.tensor_parallel_size, self.dtype_bytes)
         self._gemm_floor = calibration.families["gemm"][0]
+        # (tokens, sampled rows) -> seconds: a step's operators depend on nothing else, and a simulation asks for
+        # the same few thousand pairs again and again (the numpy evaluation dominated a simulated step)
+        self._operator_times: dict[tuple[int, int], float] = {}
 
     def operators_time(self, out: SchedulerOutput) -> float:
         """Seconds of every measured operator of one iteration: each layer's projections and element-wise
         operators, the embedding lookup and final norm once, the LM head over the sampled rows."""
         tokens = out.num_prefill_tokens + out.num_decode_tokens
         sampled = sum(s.sample for s in out.scheduled)
+        key = (tokens, sampled)
+        seconds = self._operator_times.get(key)
+        if seconds is None:
+            seconds = self._operator_times[key] = self._operators_time(tokens, sampled)
+        return seconds
+
+    def _operators_time(self, tokens: int, sampled: int) -> float:
         cal, shape = self.calibration, self.shape
         layer = float(cal.layer_time(tokens, shape, tuple(op for op in OPERATORS if op != "emb"))[0])
         once = float(cal.operator_time("emb", tokens, shape)[0] + cal.operator_time("input_layernorm", tokens,
