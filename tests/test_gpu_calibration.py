@@ -164,6 +164,18 @@ def test_remembered_operator_times_equal_freshly_computed_ones():
         assert model.operators_time(b) == fresh._operators_time(tokens, sampled)
 
 
+def test_remembered_operator_times_stay_bounded(monkeypatch):
+    from sarathi_lite.costs import calibrated
+
+    monkeypatch.setattr(calibrated, "_MAX_REMEMBERED", 3)
+    model = load_cost_model("roofline:h100:llama3-8b")
+    fresh = load_cost_model("roofline:h100:llama3-8b")
+    for n in range(1, 11):  # ten different token counts: the store is cleared, never past 3
+        b = _batch([1000] * n)
+        assert model.predict_step_time(b) == fresh.predict_step_time(b)
+        assert len(model._operator_times) <= 3
+
+
 def test_roofline_specs_are_calibrated_where_measured_and_the_old_formula_stays_available():
     cal, old = load_cost_model("roofline:h100:llama3-8b"), load_cost_model("roofline-uncalibrated:h100:llama3-8b")
     assert type(old) is RooflineCostModel and isinstance(cal, CalibratedCostModel)

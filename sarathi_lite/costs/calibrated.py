@@ -214,6 +214,9 @@ class GpuCalibration:
                    d.get("meta", {}))
 
 
+_MAX_REMEMBERED = 1 << 16  # (tokens, sampled rows) pairs a CalibratedCostModel keeps (a few MB at most)
+
+
 @cache
 def load_calibration(gpu: str) -> GpuCalibration:
     """The shipped calibration of ``gpu`` (``a100`` or ``h100``) from the package data."""
@@ -247,6 +250,8 @@ class CalibratedCostModel(RooflineCostModel):
         key = (tokens, sampled)
         seconds = self._operator_times.get(key)
         if seconds is None:
+            if len(self._operator_times) >= _MAX_REMEMBERED:  # bounded in a long-running process (a server's
+                self._operator_times.clear()                   # auto budget): start over, never grow past it
             seconds = self._operator_times[key] = self._operators_time(tokens, sampled)
         return seconds
 
