@@ -456,21 +456,27 @@ class ProcessEngine:
         instance's one token is not an output: the decode instance samples the first token again), and
         ``finish_reason="error"`` outputs for requests lost with an instance."""
         stepping = [i for i in self._live() if i.busy]
-        sent = []
-        outputs: list[RequestOutput] = []
+        replies: list[tuple[Instance, Any]] = []
+        lost: list[tuple[Instance, str]] = []
         for inst in stepping:
             try:
                 inst.send("step")
-                sent.append(inst)
+                replies.append((inst, None))
             except InstanceLost as e:
-                self._lost(inst, str(e))
-        prefilled: list[str] = []
-        for inst in sent:
+                lost.append((inst, str(e)))
+        for k, (inst, _) in enumerate(replies):  # every reply is in before any other command goes out
             try:
-                found, transfers = inst.receive()
+                replies[k] = (inst, inst.receive())
             except InstanceLost as e:
-                self._lost(inst, str(e))
+                lost.append((inst, str(e)))
+        for inst, reason in lost:
+            self._lost(inst, reason)
+        outputs: list[RequestOutput] = []
+        prefilled: list[str] = []
+        for inst, reply in replies:
+            if reply is None or inst.dead:
                 continue
+            found, transfers = reply
             self.transfers.update(transfers)
             if inst.spec.role == PREFILL:
                 for out in found:
@@ -566,7 +572,7 @@ class ProcessEngine:
         for rid in sorted(inst.requests):
             inst.requests.discard(rid)
             self._where.pop(rid, None)
-            self._held.pop(rid, None)
+            self._drop_hold(rid)
             if inst.spec.role == PREFILL:
                 logger.warning("request %r: its prefill instance %s is gone; routing it again", rid, inst.name)
                 try:
