@@ -92,14 +92,27 @@ def test_1p1d_greedy_outputs_equal_one_engine(pd, reference):
     check_outputs(pd, reference, pd.layout)
 
 
-@pytest.mark.parametrize("layout", ["1P2D", "2P1D", Layout.parse("1P1D", threshold=12), "2"],
-                         ids=["1P2D", "2P1D", "1P1D-cond12", "2C"])
+@pytest.mark.parametrize("layout", ["1P2D", "2P1D", Layout.parse("1P1D", threshold=12)],
+                         ids=["1P2D", "2P1D", "1P1D-cond12"])
 def test_greedy_outputs_equal_one_engine(tiny_checkpoints, reference, layout):
     engine = ProcessEngine(tiny_checkpoints["llama"], instances=layout, **OPTIONS)
     try:
         check_outputs(engine, reference, engine.layout)
     finally:
         engine.shutdown()
+
+
+def test_llm_with_disaggregation_runs_instances_as_processes(tiny_checkpoints, reference):
+    llm = LLM(tiny_checkpoints["llama"], disaggregation="2", num_threads=1, **OPTIONS)
+    try:
+        assert isinstance(llm.engine, ProcessEngine)
+        outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == list(reference.values())
+        assert {r[0] for r in llm.engine.routes.values()} == {"colocated0", "colocated1"}
+        assert len(llm.stats().requests) == len(reference)
+        assert_pools_whole(llm.engine)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_only_the_blocks_the_decode_side_lacks_are_sent(pd, tiny_checkpoints):

@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -52,9 +53,11 @@ from sarathi_lite.engine.llm_engine import LLMEngine, _load_tokenizer
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.p2p_connector import P2PKVConnector
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
+from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import _free_port
-from sarathi_lite.metrics import RequestMetrics, Stats
+from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
+from sarathi_lite.scheduler import SchedulerConfig
 from sarathi_lite.scheduler.routing import (
     COLOCATED,
     DECODE,
@@ -86,8 +89,7 @@ class InstanceSpec:
     index: int
     rank: int | None
     world_size: int
-    model: str
-    options: dict[str, Any]
+    config: EngineConfig
     num_threads: int
     transfer_timeout: float
 
@@ -111,7 +113,7 @@ class _Child:
 
     def __init__(self, spec: InstanceSpec, connector: P2PKVConnector | None) -> None:
         self.connector = connector
-        self.engine = LLMEngine(spec.model, connector=connector, **spec.options)
+        self.engine = LLMEngine(config=spec.config, connector=connector)
         if connector is not None and connector.role == "producer":
             connector.start_sender(self.engine.runner)
 
@@ -120,9 +122,14 @@ class _Child:
         if self.connector is not None and self.connector.role == "producer":
             self.engine.finish_kv_sends(self.connector.holds.take_released())
 
-    def load(self) -> tuple[int, int, bool]:
+    def load(self) -> tuple[int, int, bool, EngineSnapshot]:
+        """What every reply carries: the router's load measures, whether there is work, the snapshot."""
         sched = self.engine.scheduler
-        return pending_prefill_tokens(sched), kv_demand(sched), self.engine.has_unfinished_requests()
+        return (pending_prefill_tokens(sched), kv_demand(sched), self.engine.has_unfinished_requests(),
+                self.engine.snapshot())
+
+    def ready(self) -> SchedulerConfig:
+        return self.engine.scheduler_config
 
     def add(self, request_id: str, prompt: Any, params: SamplingParams, arrival: float, num_external: int,
             handle: int | None, source: int | None) -> None:
@@ -141,7 +148,9 @@ class _Child:
             self.connector.forget(request_id)
         return out
 
-    def step(self) -> tuple[list[RequestOutput], dict[str, tuple[float, int]]]:
+    def step(self) -> tuple[list[RequestOutput], dict[str, tuple[float, int]], list[IterationRecord]]:
+        """One step (two when the first only loaded K/V): its outputs, the K/V transfers it made and its
+        iteration records."""
         engine = self.engine
         before = engine.metrics.num_iterations
         outputs = engine.step()
@@ -150,7 +159,9 @@ class _Child:
         transfers = {}
         if self.connector is not None and self.connector.transfers:
             transfers, self.connector.transfers = self.connector.transfers, {}
-        return outputs, transfers
+        records = engine.metrics.iterations
+        new = min(engine.metrics.num_iterations - before, len(records))
+        return outputs, transfers, [records[i] for i in range(len(records) - new, len(records))]
 
     def drop(self, handles: Sequence[int]) -> None:
         for h in handles:
@@ -201,7 +212,7 @@ def _instance_main(conn: Any, spec: InstanceSpec, port: int, parent_pid: int) ->
                                     timeout=timedelta(days=7))  # the sender waits for requests this long
             connector = P2PKVConnector("producer" if spec.role == PREFILL else "consumer", spec.transfer_timeout)
         child = _Child(spec, connector)
-        conn.send(("ok", None, child.load()))
+        conn.send(("ok", child.ready(), child.load()))
     except BaseException as e:
         conn.send(("error", _error(e), None))
         os._exit(1)
@@ -242,6 +253,7 @@ class Instance:
     conn: Any
     load: tuple[int, int] = (0, 0)
     busy: bool = False
+    snapshot: EngineSnapshot | None = None
     dead: str | None = None
     requests: set[str] = field(default_factory=set)
 
@@ -271,7 +283,7 @@ class Instance:
             self.check_alive()
             raise InstanceLost(f"instance {self.name} (pid {self.process.pid}) closed its pipe") from None
         if load is not None:
-            self.load, self.busy = (load[0], load[1]), load[2]
+            self.load, self.busy, self.snapshot = (load[0], load[1]), load[2], load[3]
         if status == "error":
             kind, message = result
             raise (ValueError if kind == "ValueError" else RuntimeError)(message)
@@ -286,6 +298,19 @@ class Instance:
         if code is not None:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             raise InstanceLost(f"instance {self.name} (pid {self.process.pid}) {how}")
+
+
+class RecentIterations:
+    """The last iterations of every instance, in the order the router got them (``num_iterations`` counts them
+    all): what a server's metrics read after each step."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.iterations: deque[IterationRecord] = deque(maxlen=window)
+        self.num_iterations = 0
+
+    def add(self, records: Sequence[IterationRecord]) -> None:
+        self.iterations.extend(records)
+        self.num_iterations += len(records)
 
 
 def _stop(instances: list[Instance]) -> None:
@@ -316,20 +341,25 @@ class ProcessEngine:
     seconds one wait of a K/V transfer may take before the decode side recomputes the prompt."""
 
     def __init__(self, model: str | Path | None = None, *, instances: str | Layout = "1P1D",
-                 prefill_options: dict[str, Any] | None = None, decode_options: dict[str, Any] | None = None,
-                 num_threads: int = 1, transfer_timeout: float = 10.0, **options: Any) -> None:
+                 config: EngineConfig | None = None, prefill_options: dict[str, Any] | None = None,
+                 decode_options: dict[str, Any] | None = None, num_threads: int = 1, transfer_timeout: float = 10.0,
+                 **options: Any) -> None:
         self.layout = instances if isinstance(instances, Layout) else Layout.parse(instances)
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads={num_threads!r} must be a positive integer")
-        if not (isinstance(transfer_timeout, (int, float)) and transfer_timeout > 0):
+        if isinstance(transfer_timeout, bool) or not isinstance(transfer_timeout, (int, float)) \
+                or not transfer_timeout > 0:
             raise ValueError(f"transfer_timeout={transfer_timeout!r} must be > 0 (seconds)")
-        role_options = {COLOCATED: options, PREFILL: {**options, **(prefill_options or {})},
-                        DECODE: {**options, **(decode_options or {})}}
-        for opts in role_options.values():
-            config = EngineConfig.from_options(model, **opts)  # bad options fail here, before any process starts
-            if config.tensor_parallel_size * config.pipeline_parallel_size != 1:
+        if config is not None and (model is not None or options):
+            raise TypeError("give either config= or the model and options, not both")
+        base = config if config is not None else EngineConfig.from_options(model, **options)
+        self.model_path = resolve_model(base.model)
+        base = base.replace(model=str(self.model_path))
+        configs = {COLOCATED: base, PREFILL: base.replace(**(prefill_options or {})),
+                   DECODE: base.replace(**(decode_options or {}))}  # bad options fail here, before any process
+        for c in configs.values():
+            if c.tensor_parallel_size * c.pipeline_parallel_size != 1:
                 raise ValueError("instances as processes: tensor_parallel_size and pipeline_parallel_size must be 1")
-        self.model_path = resolve_model(config.model)
         self.tokenizer = _load_tokenizer(self.model_path)
         counts = {PREFILL: self.layout.prefill, DECODE: self.layout.decode, COLOCATED: self.layout.colocated}
         world = self.layout.prefill + self.layout.decode
@@ -342,9 +372,8 @@ class ProcessEngine:
         rank = itertools.count()
         for role in (PREFILL, DECODE, COLOCATED):
             for i in range(counts[role]):
-                spec = InstanceSpec(role, i, None if role == COLOCATED else next(rank), world, str(self.model_path),
-                                    {k: v for k, v in role_options[role].items() if k != "model"}, num_threads,
-                                    float(transfer_timeout))
+                spec = InstanceSpec(role, i, None if role == COLOCATED else next(rank), world, configs[role],
+                                    num_threads, float(transfer_timeout))
                 parent, child = ctx.Pipe()
                 process = ctx.Process(target=_instance_main, args=(child, spec, port, os.getpid()), daemon=True,
                                       name=f"sarathi-lite-{spec.name}")
@@ -355,11 +384,14 @@ class ProcessEngine:
                 self._all.append(inst)
         self._finalizer = weakref.finalize(self, _stop, list(self._all))
         try:
-            for inst in self._all:
-                inst.receive(START_TIMEOUT)
+            ready = [inst.receive(START_TIMEOUT) for inst in self._all]
         except BaseException:
             self.shutdown()
             raise
+        self.config = base
+        self.scheduler_config: SchedulerConfig = ready[-1]
+        """A decode instance's (a replica's) scheduler config: its ``max_model_len`` bounds every request."""
+        self.metrics = RecentIterations()
         self._handles = itertools.count()
         self._requests: dict[str, tuple[Any, SamplingParams, float, int]] = {}
         self._where: dict[str, Instance] = {}
@@ -476,8 +508,9 @@ class ProcessEngine:
         for inst, reply in replies:
             if reply is None or inst.dead:
                 continue
-            found, transfers = reply
+            found, transfers, iterations = reply
             self.transfers.update(transfers)
+            self.metrics.add(iterations)
             if inst.spec.role == PREFILL:
                 for out in found:
                     if out.finish_reason == "error":
@@ -623,6 +656,17 @@ class ProcessEngine:
         for inst in self._live():
             self._call(inst, "reset_stats")
         self.transfers.clear()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The live instances' queues and KV pools added up, as of their last replies (each instance's part is one
+        whole record; safe from any thread)."""
+        shots = [i.snapshot for i in self._all if not i.dead and i.snapshot is not None]
+        total = sum(s.kv_blocks_total for s in shots)
+        return EngineSnapshot(
+            num_steps=sum(s.num_steps for s in shots), num_waiting=sum(s.num_waiting for s in shots),
+            num_running=sum(s.num_running for s in shots), kv_blocks_used=sum(s.kv_blocks_used for s in shots),
+            kv_blocks_total=total or 1, kv_blocks_cached=sum(s.kv_blocks_cached for s in shots),
+            prefix_hit_rate=sum(s.prefix_hit_rate for s in shots) / len(shots) if shots else 0.0)
 
     def pools(self) -> dict[str, dict[str, int]]:
         """Each live instance's KV pool and transfer counters: ``num_blocks``, ``num_used_blocks``,
