@@ -311,3 +311,50 @@ def test_a_block_being_sent_is_never_freed_or_reused_before_the_receiver_acknowl
             assert h in handles  # a send in progress never lost its hold
         for h, blocks in handles.items():
             assert not free & set(blocks) and not in_tables & set(blocks), (h, blocks)
+
+
+def test_serve_with_instances_1p1d_answers_as_one_engine(tmp_path):
+    """``sarathi-lite serve --instances 1P1D`` as a real subprocess on loopback: completions equal one engine's
+    greedy text, and no instance outlives the server."""
+    import subprocess
+    import sys
+
+    import httpx
+    import psutil
+
+    from tests.conftest import TINY, make_tiny_checkpoint
+    from tests.live_server import free_port, wait_healthy
+    from tests.tiny_tokenizer import save_tiny_tokenizer
+
+    checkpoint = save_tiny_tokenizer(make_tiny_checkpoint("llama", tmp_path / "llama"), TINY["vocab_size"])
+    engine = dict(chunk_size=16, block_size=4, num_kv_blocks=256, device="cpu")
+    port = free_port()
+    cmd = [sys.executable, "-m", "sarathi_lite", "serve", str(checkpoint), "--host", "127.0.0.1", "--port",
+           str(port), "--served-model-name", "tiny", "--threads", "1", "--instances", "1P1D",
+           *[f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    texts = ["The quick brown fox", "héllo wörld", "A long prompt can stall the others for a while"]
+    try:
+        wait_healthy(url, timeout=120)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len([c for c in children if "spawn_main" in " ".join(c.cmdline())]) >= 2
+        got = []
+        for prompt in texts:
+            r = httpx.post(f"{url}/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["text"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    _, stderr = proc.communicate()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"instances outlived the server: {alive}"
+    single = LLM(checkpoint, **engine).generate(texts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert got == [o.text for o in single], stderr[-2000:]
