@@ -22,6 +22,7 @@ from typing import Any
 
 from sarathi_lite.cli.common import add_engine_args, add_threads_arg, apply_threads, engine_config
 from sarathi_lite.engine.config import EngineConfig
+from sarathi_lite.scheduler.routing import Layout
 from sarathi_lite.server.config import API_KEY_ENV, ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,6 @@ def serve_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
     layout."""
     from sarathi_lite.engine.instances import ProcessEngine
     from sarathi_lite.engine.llm_engine import LLMEngine
-    from sarathi_lite.scheduler.routing import Layout
 
     instances, replicas = getattr(args, "instances", None), getattr(args, "data_parallel_size", None)
     threshold = getattr(args, "conditional_threshold", None)
