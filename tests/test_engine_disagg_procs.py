@@ -9,6 +9,10 @@ import gc
 import os
 import random
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
@@ -47,9 +51,16 @@ def run(engine: ProcessEngine, requests: dict[str, list[int]], params: SamplingP
 
 
 def assert_pools_whole(engine: ProcessEngine) -> None:
-    for name, pool in engine.pools().items():
-        assert (pool["num_used_blocks"], pool["num_held_blocks"], pool["num_requests"], pool["num_holds"]) \
-            == (0, 0, 0, 0), name
+    """No block used or held, no request, no hold, on every live instance. A sender thread ends a finished send's
+    hold a moment after the receiver's acknowledgement, so this looks a bounded few times."""
+    for _ in range(50):
+        pools = engine.pools()
+        state = {name: (p["num_used_blocks"], p["num_held_blocks"], p["num_requests"], p["num_holds"])
+                 for name, p in pools.items()}
+        if all(v == (0, 0, 0, 0) for v in state.values()):
+            return
+        time.sleep(0.02)
+    assert state == {name: (0, 0, 0, 0) for name in state}
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +221,33 @@ def test_a_killed_prefill_instance_is_routed_around_with_the_same_outputs(tiny_c
         engine.shutdown()
 
 
+def test_a_transfer_that_times_out_is_recomputed_on_the_decode_side(tiny_checkpoints):
+    # the prefill instance is stopped (alive, silent) once it has handed the prompt over: the decode side's wait
+    # for the K/V ends after transfer_timeout, and it computes the prompt itself
+    engine = ProcessEngine(tiny_checkpoints["llama"], instances="1P1D", transfer_timeout=1.0, **OPTIONS)
+    prefill = engine.instances["prefill"][0].process
+    try:
+        prompt = list(range(5, 35))
+        engine.add_request("slow", prompt, GREEDY)
+        for _ in range(10):
+            engine.step()
+            if len(engine.routes["slow"]) == 2:
+                break
+        assert not engine.instances["prefill"][0].busy  # idle: the router has nothing to ask it meanwhile
+        os.kill(prefill.pid, signal.SIGSTOP)
+        done = run(engine, {})
+        os.kill(prefill.pid, signal.SIGCONT)
+        single = LLM(tiny_checkpoints["llama"], **OPTIONS).generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert done["slow"].token_ids == single.token_ids
+        assert "slow" not in engine.transfers  # no K/V arrived: the decode side recomputed
+        engine.add_request("next", prompt, GREEDY)  # the pair to that rank is closed: later requests recompute
+        assert run(engine, {})["next"].token_ids == single.token_ids
+        assert_pools_whole(engine)
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+        engine.shutdown()
+
+
 def test_a_killed_decode_instance_ends_its_requests_with_an_error_and_the_others_go_on(tiny_checkpoints,
                                                                                         reference):
     engine = ProcessEngine(tiny_checkpoints["llama"], instances="1P2D", **OPTIONS)
@@ -253,6 +291,30 @@ def test_no_child_outlives_the_engine(tiny_checkpoints):
     del engine
     gc.collect()
     assert all(p.exitcode is not None for p in processes)
+
+
+def test_instances_exit_when_the_router_process_is_killed(tiny_checkpoints, tmp_path):
+    import psutil
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        from sarathi_lite.engine.instances import ProcessEngine
+        if __name__ == "__main__":
+            engine = ProcessEngine({str(tiny_checkpoints["llama"])!r}, instances="1P1D", **{OPTIONS!r})
+            print(" ".join(str(i.process.pid) for i in engine._all), flush=True)
+            time.sleep(120)
+    """)
+    (tmp_path / "router.py").write_text(script)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "router.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        children = [psutil.Process(p) for p in pids]
+    finally:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"instances outlived their router: {alive}"
 
 
 class _Runner:

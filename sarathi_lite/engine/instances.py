@@ -189,7 +189,7 @@ class _Child:
         return self.engine.reset_prefix_cache()
 
 
-_COMMANDS = ("add", "abort", "step", "drop", "peer_down", "pool", "stats", "reset_stats", "reset_prefix_cache")
+_COMMANDS = ("add", "abort", "step", "peer_down", "pool", "stats", "reset_stats", "reset_prefix_cache")
 
 
 def _error(e: BaseException) -> tuple[str, str]:
@@ -218,13 +218,15 @@ def _instance_main(conn: Any, spec: InstanceSpec, port: int, parent_pid: int) ->
         os._exit(1)
     while True:
         try:
-            op, args = conn.recv()
+            op, args, drops = conn.recv()
         except (EOFError, OSError):  # the router is gone
             os._exit(0)
         if op == "close":
             conn.send(("ok", None, None))
             os._exit(0)
         try:
+            if drops:
+                child.drop(drops)
             child.release_sent()
             result = getattr(child, op)(*args) if op in _COMMANDS else None
             child.release_sent()
@@ -256,6 +258,9 @@ class Instance:
     snapshot: EngineSnapshot | None = None
     dead: str | None = None
     requests: set[str] = field(default_factory=set)
+    drops: list[int] = field(default_factory=list)
+    """Handles of held K/V the decode side no longer needs: sent with the next command (no round trip of its
+    own; an idle prefill instance gets them with its next request)."""
 
     @property
     def name(self) -> str:
@@ -263,7 +268,8 @@ class Instance:
 
     def send(self, op: str, *args: Any) -> None:
         try:
-            self.conn.send((op, args))
+            self.conn.send((op, args, self.drops))
+            self.drops = []
         except (BrokenPipeError, OSError):
             self.check_alive()
             raise InstanceLost(f"instance {self.name} (pid {self.process.pid}) closed its pipe") from None
@@ -318,7 +324,7 @@ def _stop(instances: list[Instance]) -> None:
     for inst in instances:
         if inst.process.exitcode is None:
             try:
-                inst.conn.send(("close", ()))
+                inst.conn.send(("close", (), []))
             except (BrokenPipeError, OSError):
                 pass
     deadline = time.monotonic() + _SHUTDOWN_GRACE
@@ -558,14 +564,10 @@ class ProcessEngine:
         self.routes[request_id].append(inst.name)
 
     def _drop_hold(self, request_id: str) -> None:
+        """The decode side no longer needs the K/V the prefill side holds for ``request_id``."""
         held = self._held.pop(request_id, None)
-        if held is None or held[0].dead:
-            return
-        inst, handle = held
-        try:
-            self._call(inst, "drop", [handle])
-        except InstanceLost:
-            pass  # _call has handled it
+        if held is not None and not held[0].dead:
+            held[0].drops.append(held[1])
 
     def _forget(self, request_id: str) -> None:
         inst = self._where.pop(request_id, None)
@@ -669,9 +671,9 @@ class ProcessEngine:
             prefix_hit_rate=sum(s.prefix_hit_rate for s in shots) / len(shots) if shots else 0.0)
 
     def pools(self) -> dict[str, dict[str, int]]:
-        """Each live instance's KV pool and transfer counters: ``num_blocks``, ``num_used_blocks``,
-        ``num_held_blocks``, ``num_requests``, ``num_holds`` (prompts held for sending), ``blocks_sent``,
-        ``blocks_received``."""
+        """Each live instance's KV pool and transfer counters, after it has applied the pending drops:
+        ``num_blocks``, ``num_used_blocks``, ``num_held_blocks``, ``num_requests``, ``num_holds`` (prompts held for
+        sending), ``blocks_sent``, ``blocks_received``."""
         return {i.name: self._call(i, "pool") for i in self._live()}
 
     def shutdown(self) -> None:
