@@ -186,8 +186,11 @@ def test_abort_while_waiting_for_decode_memory(tiny_checkpoints):
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         engine.add_request("a", list(range(3, 33)), params)
         engine.add_request("b", list(range(50, 80)), params)
-        for _ in range(4):
+        for _ in range(MAX_STEPS):
             engine.step()
+            if len(engine.routes["b"]) == 2:
+                break
+        assert engine.pools()["decode0"]["num_requests"] == 2  # "a" decodes, "b" waits for room
         assert engine.routes["b"] == ["prefill0", "decode0"] and engine.pools()["prefill0"]["num_holds"] == 1
         engine.abort_request("b")
         for _ in range(MAX_STEPS):
@@ -222,6 +225,8 @@ def test_a_killed_prefill_instance_is_routed_around_with_the_same_outputs(tiny_c
 
 
 def test_a_transfer_that_times_out_is_recomputed_on_the_decode_side(tiny_checkpoints):
+    import psutil
+
     # the prefill instance is stopped (alive, silent) once it has handed the prompt over: the decode side's wait
     # for the K/V ends after transfer_timeout, and it computes the prompt itself
     engine = ProcessEngine(tiny_checkpoints["llama"], instances="1P1D", transfer_timeout=1.0, **OPTIONS)
@@ -235,6 +240,11 @@ def test_a_transfer_that_times_out_is_recomputed_on_the_decode_side(tiny_checkpo
                 break
         assert not engine.instances["prefill"][0].busy  # idle: the router has nothing to ask it meanwhile
         os.kill(prefill.pid, signal.SIGSTOP)
+        for _ in range(100):  # the stop takes effect when the kernel next schedules it
+            if psutil.Process(prefill.pid).status() == psutil.STATUS_STOPPED:
+                break
+            time.sleep(0.01)
+        assert psutil.Process(prefill.pid).status() == psutil.STATUS_STOPPED
         done = run(engine, {})
         os.kill(prefill.pid, signal.SIGCONT)
         single = LLM(tiny_checkpoints["llama"], **OPTIONS).generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -254,9 +264,11 @@ def test_a_killed_decode_instance_ends_its_requests_with_an_error_and_the_others
     try:
         for i, p in enumerate(prompts()):
             engine.add_request(f"r{i}", p, GREEDY)
-        for _ in range(4):
-            engine.step()
         victim = engine.instances["decode"][1]
+        for _ in range(MAX_STEPS):
+            engine.step()
+            if victim.requests:
+                break
         on_victim = set(victim.requests)
         assert on_victim
         os.kill(victim.process.pid, signal.SIGKILL)

@@ -15,8 +15,9 @@ in-process ``DisaggregatedEngine`` and of the simulator), on the loads every ins
   the decode instance admits it with ``num_external_tokens = prompt_len - 1`` and computes the last prompt token
   itself, so greedy outputs equal one engine's token for token. A transfer that fails or outlasts
   ``transfer_timeout`` seconds makes the decode instance recompute the prompt (one warning).
-- The router talks to each instance over a pipe; ``step()`` sends every instance with work a step and then
-  collects the replies, so the instances' forward passes run at the same time.
+- The router talks to each instance over a pipe. Instances step independently: ``step()`` starts a step on every
+  instance with work that is not stepping already and returns once at least one has ended, so forward passes run
+  at the same time and a decode instance never waits for a prefill instance's chunk.
 - Faults: an instance that dies is noticed within ~50 ms of its exit (a reply never hangs on a dead process).
   A dead prefill instance's unfinished prompts go to another prefill instance, or, with none left, to a decode
   instance that prefills them itself; a dead decode instance or replica ends its requests with
@@ -40,6 +41,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +259,7 @@ class Instance:
     busy: bool = False
     snapshot: EngineSnapshot | None = None
     dead: str | None = None
+    stepping: bool = False
     requests: set[str] = field(default_factory=set)
     drops: list[int] = field(default_factory=list)
     """Handles of held K/V the decode side no longer needs: sent with the next command (no round trip of its
@@ -407,6 +410,8 @@ class ProcessEngine:
         self.transfers: dict[str, tuple[float, int]] = {}
         """request id -> ``(seconds, blocks)`` of its K/V transfer, measured on the decode instance."""
         self._errors: list[RequestOutput] = []  # requests ended with a lost instance, for the next step
+        self._replies: list[tuple[Instance, Any]] = []  # step replies taken, not processed yet
+        self._outputs: list[RequestOutput] = []  # outputs processed, for the next step to return
 
     # ------------------------------------------------------------------ requests
 
@@ -444,30 +449,43 @@ class ProcessEngine:
         return list(prompt)
 
     def _place(self, request_id: str, token_ids: list[int]) -> None:
-        """Add a request (new, or back from a lost prefill instance) where the router says."""
+        """Add a request (new, or back from a lost prefill instance) where the router says; an instance found dead
+        on the way is routed around."""
         prompt, params, arrival, _ = self._requests[request_id]
-        loads = {role: [None if i.dead else i.load for i in self.instances[role]] for role in self.instances}
-        try:
-            role, index = route_by_load(len(token_ids), self.layout, loads[COLOCATED], loads[PREFILL], loads[DECODE])
-        except RuntimeError as e:
-            raise EngineDeadError(f"{e}: {self._deaths()}") from None
-        inst = self.instances[role][index]
-        if role == PREFILL:
-            handle = next(self._handles)
-            self._call(inst, "add", request_id, token_ids,
-                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), arrival, 0, handle, None)
-            self._held[request_id] = (inst, handle)
-        else:
-            self._call(inst, "add", request_id, prompt, params, arrival, 0, None, None)
-        self._where[request_id] = inst
-        inst.requests.add(request_id)
-        self.routes[request_id].append(inst.name)
+        for _ in range(len(self._all)):
+            loads = {role: [None if i.dead else i.load for i in self.instances[role]] for role in self.instances}
+            try:
+                role, index = route_by_load(len(token_ids), self.layout, loads[COLOCATED], loads[PREFILL],
+                                            loads[DECODE])
+            except RuntimeError as e:
+                raise EngineDeadError(f"{e}: {self._deaths()}") from None
+            inst = self.instances[role][index]
+            try:
+                if role == PREFILL:
+                    handle = next(self._handles)
+                    self._call(inst, "add", request_id, token_ids,
+                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), arrival, 0, handle,
+                               None)
+                    self._held[request_id] = (inst, handle)
+                else:
+                    self._call(inst, "add", request_id, prompt, params, arrival, 0, None, None)
+            except InstanceLost:
+                continue
+            self._where[request_id] = inst
+            inst.requests.add(request_id)
+            self.routes[request_id].append(inst.name)
+            return
+        raise EngineDeadError(f"no instance took request {request_id!r}: {self._deaths()}")
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request wherever it is (waiting or mid-prefill on a prefill instance, on its way or waiting for
         its K/V or decoding on a decode instance) and free its blocks on every instance. Raises ``ValueError`` for
-        an unknown id."""
+        an unknown id, or one that finished in a step whose outputs the next ``step`` returns."""
         inst = self._where.get(request_id)
+        if inst is not None and inst.stepping:  # its step in flight may have moved or finished it
+            self._finish_step(inst)
+            self._process()
+            inst = self._where.get(request_id)
         if inst is None:
             raise ValueError(f"request_id={request_id!r} is unknown or already finished")
         try:
@@ -478,7 +496,8 @@ class ProcessEngine:
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._where)
+        """Whether a request is unfinished or outputs wait for the next ``step`` to return them."""
+        return bool(self._where or self._outputs or self._errors or self._replies)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._where)
@@ -489,79 +508,95 @@ class ProcessEngine:
     # ------------------------------------------------------------------ one round
 
     def step(self) -> list[RequestOutput]:
-        """One step of every instance with work, all at once; then prompts that finished prefilling go to the
-        decode instance the router picks. Returns the outputs of decode instances and replicas (a prefill
-        instance's one token is not an output: the decode instance samples the first token again), and
-        ``finish_reason="error"`` outputs for requests lost with an instance."""
-        stepping = [i for i in self._live() if i.busy]
-        replies: list[tuple[Instance, Any]] = []
-        lost: list[tuple[Instance, str]] = []
-        for inst in stepping:
-            try:
-                inst.send("step")
-                replies.append((inst, None))
-            except InstanceLost as e:
-                lost.append((inst, str(e)))
-        for k, (inst, _) in enumerate(replies):  # every reply is in before any other command goes out
-            try:
-                replies[k] = (inst, inst.receive())
-            except InstanceLost as e:
-                lost.append((inst, str(e)))
-        for inst, reason in lost:
-            self._lost(inst, reason)
-        outputs: list[RequestOutput] = []
-        prefilled: list[str] = []
-        for inst, reply in replies:
-            if reply is None or inst.dead:
+        """Start a step on every instance with work that is not stepping already, wait until at least one step
+        has ended (instances step independently: a decode instance never waits for a prefill instance's long
+        chunk), and process what ended: prompts that finished prefilling go to the decode instance the router
+        picks. Returns the outputs of decode instances and replicas (a prefill instance's one token is not an
+        output: the decode instance samples the first token again), and ``finish_reason="error"`` outputs for
+        requests lost with an instance. Raises ``EngineDeadError`` when a role the layout needs has no instance
+        left."""
+        for inst in self._live():
+            if inst.busy and not inst.stepping:
+                try:
+                    inst.send("step")
+                    inst.stepping = True
+                except InstanceLost as e:
+                    self._lost(inst, str(e))
+        stepping = [i for i in self._live() if i.stepping]
+        while stepping:
+            ready = mp_connection.wait([i.conn for i in stepping], timeout=_POLL)
+            done = [i for i in stepping if i.conn in ready or i.process.exitcode is not None]
+            if done:
+                for inst in done:
+                    self._finish_step(inst)
+                break
+        self._process()
+        outputs, self._outputs = self._outputs, []
+        self._check_roles()
+        return outputs
+
+    def _finish_step(self, inst: Instance) -> None:
+        """Take the reply of ``inst``'s step in flight (it is processed by ``_process``)."""
+        inst.stepping = False
+        try:
+            self._replies.append((inst, inst.receive()))
+        except InstanceLost as e:
+            self._lost(inst, str(e))
+
+    def _process(self) -> None:
+        """Process the step replies taken so far: outputs to ``_outputs``, prefilled prompts handed over."""
+        while self._replies:
+            inst, (found, transfers, iterations) = self._replies.pop(0)
+            if inst.dead:
                 continue
-            found, transfers, iterations = reply
             self.transfers.update(transfers)
             self.metrics.add(iterations)
             if inst.spec.role == PREFILL:
                 for out in found:
                     if out.finish_reason == "error":
                         self._forget(out.request_id)
-                        outputs.append(out)
-                    elif out.finished:
-                        prefilled.append(out.request_id)
+                        self._outputs.append(out)
+                    elif out.finished and out.request_id in self._where:
+                        self._hand_over(out.request_id)
                 continue
             for out in found:
                 if out.request_id in self._held and (out.new_token_ids or out.finished):
                     self._drop_hold(out.request_id)  # past its load: the prefill side's blocks can go
                 if out.finished:
                     self._forget(out.request_id)
-            outputs += found
-        for rid in prefilled:
-            self._hand_over(rid)
-        outputs += self._errors
+            self._outputs += found
+        self._outputs += self._errors
         self._errors = []
-        self._check_roles()
-        return outputs
 
     def _hand_over(self, request_id: str) -> None:
         """A prompt was prefilled and its blocks are held: add the request to the decode instance the router
-        picks, to load the K/V of all but its last prompt token."""
+        picks (another one if that one turns out dead), to load the K/V of all but its last prompt token."""
         prompt, params, arrival, prompt_len = self._requests[request_id]
         source, handle = self._held[request_id]
         source.requests.discard(request_id)
+        self._where.pop(request_id, None)
         decode = self.instances[DECODE]
-        try:
-            index = pick_decode_by_load([None if i.dead else i.load for i in decode])
-        except RuntimeError:
-            self._errors.append(self._ended(request_id, "error", f"no decode instance is left: {self._deaths()}"))
-            self._forget(request_id)
+        error = "no decode instance is left"
+        for _ in decode:
+            try:
+                inst = decode[pick_decode_by_load([None if i.dead else i.load for i in decode])]
+            except RuntimeError:
+                break
+            try:
+                self._call(inst, "add", request_id, prompt, params, arrival, prompt_len - 1, handle,
+                           source.spec.rank)
+            except InstanceLost as e:
+                error = str(e)
+                continue
+            except (ValueError, RuntimeError) as e:
+                error = f"instance {inst.name} did not take the request: {e}"
+                break
+            self._where[request_id] = inst
+            inst.requests.add(request_id)
+            self.routes[request_id].append(inst.name)
             return
-        inst = decode[index]
-        try:
-            self._call(inst, "add", request_id, prompt, params, arrival, prompt_len - 1, handle, source.spec.rank)
-        except (ValueError, RuntimeError) as e:  # InstanceLost too
-            self._errors.append(self._ended(request_id, "error", f"instance {inst.name} did not take the request: "
-                                                                  f"{e}"))
-            self._forget(request_id)
-            return
-        self._where[request_id] = inst
-        inst.requests.add(request_id)
-        self.routes[request_id].append(inst.name)
+        self._errors.append(self._ended(request_id, "error", f"{error}: {self._deaths()}"))
+        self._forget(request_id)
 
     def _drop_hold(self, request_id: str) -> None:
         """The decode side no longer needs the K/V the prefill side holds for ``request_id``."""
@@ -582,6 +617,10 @@ class ProcessEngine:
     def _call(self, inst: Instance, op: str, *args: Any) -> Any:
         """``inst.call``; a lost instance is handled (its requests rerouted or ended) before ``InstanceLost`` is
         raised on. Outputs of requests it ended come with the next ``step``."""
+        if inst.stepping:
+            self._finish_step(inst)
+            if inst.dead:
+                raise InstanceLost(inst.dead)
         try:
             return inst.call(op, *args)
         except InstanceLost as e:
@@ -598,7 +637,7 @@ class ProcessEngine:
         if inst.spec.rank is not None:
             for other in self._live():
                 try:
-                    other.call("peer_down", inst.spec.rank)
+                    self._call(other, "peer_down", inst.spec.rank)
                 except (InstanceLost, RuntimeError, ValueError):
                     pass
         for rid, (holder, _) in list(self._held.items()):

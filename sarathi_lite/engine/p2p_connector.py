@@ -183,7 +183,7 @@ class P2PKVConnector:
         first, n = load.start_token // runner.block_size, len(load.block_ids)
         answer = torch.zeros(1, dtype=torch.int64)
         try:
-            dist.send(torch.tensor([handle, first, n], dtype=torch.int64), dst=rank, tag=_ASK)
+            self._send(torch.tensor([handle, first, n], dtype=torch.int64), rank, _ASK)
             self._wait(dist.irecv(answer, src=rank, tag=_ANSWER), answer)
             if int(answer) != n:
                 logger.warning("request %r: prefill rank %d no longer holds its K/V", load.request_id, rank)
@@ -192,7 +192,7 @@ class P2PKVConnector:
             kv = torch.empty((cache.shape[0], n, *cache.shape[2:]), dtype=cache.dtype)
             self._wait(dist.irecv(kv, src=rank, tag=_KV), kv)
             runner.import_blocks(load.block_ids, kv)
-            dist.send(torch.ones(1, dtype=torch.int64), dst=rank, tag=_ACK)
+            self._send(torch.ones(1, dtype=torch.int64), rank, _ACK)
         except RuntimeError as e:  # gloo: a timeout or a closed pair
             self.broken.add(rank)
             logger.warning("request %r: the K/V transfer from prefill rank %d failed (%s); no more transfers from "
@@ -201,6 +201,10 @@ class P2PKVConnector:
         self.blocks_received += n
         self.transfers[load.request_id] = (time.perf_counter() - t0, n)
         return True
+
+    def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
+        """Send ``tensor`` to ``rank``, waiting at most ``timeout`` for it to leave."""
+        self._wait(dist.isend(tensor, dst=rank, tag=tag), tensor)
 
     def _wait(self, work: Any, buffer: torch.Tensor) -> None:
         try:
@@ -227,17 +231,17 @@ class P2PKVConnector:
                 time.sleep(0.05)
                 continue
             handle, first, n = (int(x) for x in ask)
-            self._send(runner, rank, handle, first, n)
+            self._serve_one(runner, rank, handle, first, n)
 
-    def _send(self, runner: ModelRunner, rank: int, handle: int, first: int, n: int) -> None:
+    def _serve_one(self, runner: ModelRunner, rank: int, handle: int, first: int, n: int) -> None:
         blocks = self.holds.begin(handle)
         acknowledged = False
         try:
             if blocks is None or first + n > len(blocks):
-                dist.send(torch.zeros(1, dtype=torch.int64), dst=rank, tag=_ANSWER)
+                self._send(torch.zeros(1, dtype=torch.int64), rank, _ANSWER)
                 return
-            dist.send(torch.tensor([n], dtype=torch.int64), dst=rank, tag=_ANSWER)
-            dist.send(runner.export_blocks(blocks[first:first + n]), dst=rank, tag=_KV)
+            self._send(torch.tensor([n], dtype=torch.int64), rank, _ANSWER)
+            self._send(runner.export_blocks(blocks[first:first + n]), rank, _KV)
             ack = torch.zeros(1, dtype=torch.int64)
             self._wait(dist.irecv(ack, src=rank, tag=_ACK), ack)
             acknowledged = True
