@@ -56,15 +56,11 @@ class SendHolds:
         self._lock = threading.Lock()
         self._held: dict[int, tuple[str, list[int], int]] = {}  # handle -> (request id, blocks, tokens)
         self._sending: set[int] = set()
-        self._dropped: set[int] = set()  # dropped while sending, or before being registered
+        self._dropped: set[int] = set()  # dropped while being sent: released when the send ends
         self._released: list[str] = []
 
     def register(self, handle: int, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
         with self._lock:
-            if handle in self._dropped:  # the router already gave it up (aborted on the way)
-                self._dropped.discard(handle)
-                self._released.append(request_id)
-                return
             self._held[handle] = (request_id, list(block_ids), num_tokens)
 
     def begin(self, handle: int) -> list[int] | None:
@@ -85,13 +81,13 @@ class SendHolds:
                 self._release(handle)
 
     def drop(self, handle: int) -> None:
+        """End ``handle``'s hold now, or when its send in progress ends (an unknown handle: nothing to do, e.g.
+        a request aborted before its prompt finished)."""
         with self._lock:
             if handle in self._sending:
                 self._dropped.add(handle)
-            elif handle in self._held:
-                self._release(handle)
             else:
-                self._dropped.add(handle)
+                self._release(handle)
 
     def _release(self, handle: int) -> None:
         entry = self._held.pop(handle, None)
