@@ -75,6 +75,8 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 300.0
 """Seconds the instances get to load their model and join before the engine gives up."""
+RECORD_WINDOW = 100_000
+"""``routes`` and ``transfers`` keep the records of at most this many most recent requests."""
 _POLL = 0.05  # seconds between liveness checks while waiting for a reply
 _SHUTDOWN_GRACE = 5.0
 
@@ -430,6 +432,9 @@ class ProcessEngine:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self._requests[request_id] = (prompt, params, arrival, len(token_ids))
         self.routes[request_id] = []
+        for records in (self.routes, self.transfers):  # bounded: a server runs for long
+            while len(records) > RECORD_WINDOW:
+                del records[next(iter(records))]
         try:
             self._place(request_id, token_ids)
         except BaseException:
