@@ -76,17 +76,45 @@ class Layout:
         return base if self.threshold is None else f"{base}/cond{self.threshold}"
 
 
+def load_of(scheduler: Scheduler) -> tuple[int, int]:
+    """What the router weighs an instance by: ``(pending_prefill_tokens, kv_demand)``."""
+    return pending_prefill_tokens(scheduler), kv_demand(scheduler)
+
+
 def route_arrival(prompt_len: int, layout: Layout, colocated: Sequence[Scheduler], prefill: Sequence[Scheduler],
                   decode: Sequence[Scheduler]) -> tuple[str, int]:
     """Where a new request with ``prompt_len`` prompt tokens goes: ``(role, index)``."""
-    if layout.colocated:
-        return COLOCATED, min(range(len(colocated)), key=lambda i: (pending_prefill_tokens(colocated[i]),
-                                                                     kv_demand(colocated[i]), i))
-    if layout.threshold is not None and prompt_len <= layout.threshold:
-        return DECODE, pick_decode(decode)
-    return PREFILL, min(range(len(prefill)), key=lambda i: (pending_prefill_tokens(prefill[i]), i))
+    return route_by_load(prompt_len, layout, [load_of(s) for s in colocated], [load_of(s) for s in prefill],
+                         [load_of(s) for s in decode])
 
 
 def pick_decode(decode: Sequence[Scheduler]) -> int:
     """The decode instance a prefilled request goes to."""
-    return min(range(len(decode)), key=lambda i: (kv_demand(decode[i]), i))
+    return pick_decode_by_load([load_of(s) for s in decode])
+
+
+Load = tuple[int, int] | None
+
+
+def route_by_load(prompt_len: int, layout: Layout, colocated: Sequence[Load], prefill: Sequence[Load],
+                  decode: Sequence[Load]) -> tuple[str, int]:
+    """``route_arrival`` on instances' ``load_of`` (for instances in other processes); ``None`` marks an instance
+    that is gone. With every prefill instance gone, prompts go to decode instances, which prefill them. Raises
+    ``RuntimeError`` when no instance can take the request."""
+    if layout.colocated:
+        return COLOCATED, _least(colocated, "colocated replica")
+    if (layout.threshold is not None and prompt_len <= layout.threshold) or all(x is None for x in prefill):
+        return DECODE, pick_decode_by_load(decode)
+    return PREFILL, _least([None if x is None else (x[0],) for x in prefill], "prefill instance")
+
+
+def pick_decode_by_load(decode: Sequence[Load]) -> int:
+    """``pick_decode`` on instances' ``load_of`` (``None``: gone)."""
+    return _least([None if x is None else (x[1],) for x in decode], "decode instance")
+
+
+def _least(loads: Sequence[tuple[int, ...] | None], what: str) -> int:
+    live = [(load, i) for i, load in enumerate(loads) if load is not None]
+    if not live:
+        raise RuntimeError(f"no {what} is left to take the request")
+    return min(live)[1]

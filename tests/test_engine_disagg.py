@@ -44,7 +44,7 @@ def pools_whole(engine: DisaggregatedEngine) -> None:
 @pytest.mark.parametrize("layout", ["1P1D", "1P2D", "2P1D", Layout.parse("1P1D", threshold=12), "2"],
                          ids=["1P1D", "1P2D", "2P1D", "1P1D-cond12", "2C"])
 def test_greedy_outputs_equal_one_engine(tiny_checkpoints, reference, layout):
-    llm = LLM(tiny_checkpoints["llama"], disaggregation=layout, **OPTIONS)
+    llm = LLM(tiny_checkpoints["llama"], disaggregation=layout, processes=False, **OPTIONS)
     assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == reference
     engine = llm.engine
     lens = [len(p) for p in prompts()]
@@ -138,7 +138,7 @@ def test_a_failed_transfer_recomputes_with_one_warning_and_the_same_outputs(tiny
     from sarathi_lite.engine.kv_connector import InProcessKVConnector
 
     monkeypatch.setattr(InProcessKVConnector, "load", lambda self, load, runner: False)
-    llm = LLM(tiny_checkpoints["llama"], disaggregation="1P1D", **OPTIONS)
+    llm = LLM(tiny_checkpoints["llama"], disaggregation="1P1D", processes=False, **OPTIONS)
     with caplog.at_level("WARNING", logger="sarathi_lite.engine.llm_engine"):
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == reference
     warned = [r.getMessage() for r in caplog.records if "recomputing" in r.getMessage()]

@@ -5,6 +5,11 @@ timeouts, request timeout, API key, chat max_tokens default). Unless ``--stats-w
 server keeps the records of only the last 10,000 finished requests and iterations, so its memory stays bounded
 however long it runs. The API key may come from the SARATHI_LITE_API_KEY environment variable instead of
 ``--api-key`` (which ``ps`` shows). Needs the ``[serve]`` extra.
+
+``--instances 2P1D`` (x prefill and y decode instances; ``--conditional-threshold T`` prefills prompts of at most
+T tokens on a decode instance) or ``--data-parallel-size N`` (N colocated replicas) start every instance as its
+own process behind the router (``sarathi_lite.engine.instances``), each with ``--threads`` torch threads
+(default 1), and put the server in front.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import os
 from typing import Any
 
 from sarathi_lite.cli.common import add_engine_args, add_threads_arg, apply_threads, engine_config
+from sarathi_lite.engine.config import EngineConfig
+from sarathi_lite.scheduler.routing import Layout
 from sarathi_lite.server.config import API_KEY_ENV, ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -31,8 +38,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from sarathi_lite.server.limits import header_timeout_protocol
     except ImportError as e:
         raise RuntimeError(f"serve needs the [serve] extra (pip install 'sarathi-lite[serve]'): {e}") from e
-    from sarathi_lite.engine.llm_engine import LLMEngine
-
     apply_threads(args)
     config = engine_config(args)
     changes: dict[str, Any] = {}
@@ -45,13 +50,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if "api_key" not in limits and os.environ.get(API_KEY_ENV):
         limits["api_key"] = os.environ[API_KEY_ENV]
     server_config = ServerConfig(**limits)
-    engine = LLMEngine(config=config.replace(**changes))
+    engine = serve_engine(args, config.replace(**changes))
     app = build_app(engine, args.served_model_name, server_config)
     logger.info("serving %s on http://%s:%d", args.served_model_name or engine.model_path.name, args.host,
                 args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False,
                 http=header_timeout_protocol(server_config.header_timeout))
     return 0
+
+
+def serve_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
+    """The engine ``serve`` puts the server in front of: one ``LLMEngine``, or, with ``--instances`` or
+    ``--data-parallel-size``, a ``ProcessEngine`` of instances as processes. Raises ``ValueError`` for a bad
+    layout."""
+    from sarathi_lite.engine.instances import ProcessEngine
+    from sarathi_lite.engine.llm_engine import LLMEngine
+
+    instances, replicas = getattr(args, "instances", None), getattr(args, "data_parallel_size", None)
+    threshold = getattr(args, "conditional_threshold", None)
+    if instances is not None and replicas is not None:
+        raise ValueError("give --instances or --data-parallel-size, not both")
+    if replicas is not None:
+        if replicas < 1:
+            raise ValueError(f"--data-parallel-size={replicas} must be >= 1")
+        instances = str(replicas)
+    if instances is None:
+        if threshold is not None:
+            raise ValueError("--conditional-threshold needs --instances xPyD")
+        return LLMEngine(config=config)
+    if replicas == 1:
+        return LLMEngine(config=config)
+    return ProcessEngine(instances=Layout.parse(instances, threshold), config=config,
+                         num_threads=getattr(args, "threads", None) or 1)
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -66,6 +96,14 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the checkpoint folder's name)")
     g.add_argument("--uvicorn-log-level", default="warning")
+    g = p.add_argument_group("instances (each its own process behind a router)")
+    g.add_argument("--instances", default=None, metavar="LAYOUT",
+                   help="N colocated replicas, or xPyD prefill and decode instances, e.g. 2P1D (default: one engine)")
+    g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="N colocated replicas as processes (the same as --instances N)")
+    g.add_argument("--conditional-threshold", type=int, default=None, metavar="TOKENS",
+                   help="with --instances xPyD: prompts of at most this many tokens are prefilled on a decode "
+                        "instance")
     add_engine_args(p, config_class=ServerConfig, title="server limits (ServerConfig)")
     add_threads_arg(p)
     add_engine_args(p)

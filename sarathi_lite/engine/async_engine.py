@@ -200,10 +200,10 @@ class AsyncLLMEngine:
                     self._num_waiting += self._num_adds  # until _apply says how many it queued
                     self._num_adds = 0
                 self._apply(commands)
-                self._num_waiting = len(engine.scheduler.waiting)
+                self._num_waiting = engine.snapshot().num_waiting
                 if engine.has_unfinished_requests():
                     outputs = engine.step()  # a failed step fails its requests; only a dead device raises
-                    self._num_waiting = len(engine.scheduler.waiting)
+                    self._num_waiting = engine.snapshot().num_waiting
                     if self.on_step is not None:
                         self.on_step(engine, outputs)
                     self._deliver(outputs)

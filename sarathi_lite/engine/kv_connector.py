@@ -33,8 +33,10 @@ ROLES = ("producer", "consumer", "both")
 class KVConnectorWorker(Protocol):
     """The worker side: runs in the engine's step, beside the forward pass."""
 
-    def save(self, save: KVSave, runner: ModelRunner) -> None:
-        """Take the K/V of ``save``'s blocks (held until this returns; copy what must outlive it)."""
+    def save(self, save: KVSave, runner: ModelRunner) -> bool:
+        """Take the K/V of ``save``'s blocks. ``True``: done with them (they are released now; copy what must
+        outlive the call); ``False``: the connector keeps them held until the receiver has them, then the engine
+        releases them (``LLMEngine.finish_kv_sends``)."""
 
     def load(self, load: KVLoad, runner: ModelRunner) -> bool:
         """Write the K/V of ``load``'s tokens into its blocks; ``False`` if they cannot be had (the request then
@@ -130,9 +132,10 @@ class InProcessKVConnector:
 
     # ------------------------------------------------------------------ the worker's side
 
-    def save(self, save: KVSave, runner: ModelRunner) -> None:
+    def save(self, save: KVSave, runner: ModelRunner) -> bool:
         blocks = save.block_ids[:-(-save.num_tokens // runner.block_size)]
         self.store.put(save.request_id, StoredKV(runner.export_blocks(blocks), save.num_tokens, save.token_ids))
+        return True
 
     def load(self, load: KVLoad, runner: ModelRunner) -> bool:
         entry = self.store.pop(load.request_id)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.engine.disagg import DisaggregatedEngine
+from sarathi_lite.engine.instances import ProcessEngine
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
@@ -25,12 +26,17 @@ class LLM:
     >>> out.text, out.token_ids, out.finish_reason, out.metrics.ttft
     """
 
-    def __init__(self, model: str | Path | None = None, disaggregation: Any = None, **engine_options: Any) -> None:
-        # disaggregation (issue 25): "2" colocated replicas, "1P1D", or a routing.Layout; None: one engine
+    def __init__(self, model: str | Path | None = None, disaggregation: Any = None, processes: bool = True,
+                 **engine_options: Any) -> None:
+        # disaggregation (issue 25): "2" colocated replicas, "1P1D", or a routing.Layout; None: one engine.
+        # processes: each instance in its own process (ProcessEngine: own weights, K/V over gloo), or all in
+        # this one sharing the weights (DisaggregatedEngine). Options of either (prefill_options=, num_threads=,
+        # ...) pass through.
         if disaggregation is None:
             self.engine = LLMEngine(model, **engine_options)
+        elif processes:
+            self.engine = ProcessEngine(model, instances=disaggregation, **engine_options)
         else:
-
             self.engine = DisaggregatedEngine(model, instances=disaggregation, **engine_options)
         self._ids = itertools.count()
 
@@ -106,8 +112,10 @@ class LLM:
             return self._steps(ids, use_tqdm)
         except BaseException:  # a dead engine, or KeyboardInterrupt: leave none of this call's requests queued
             for rid in ids:
-                if rid in self.engine.scheduler.requests:
+                try:
                     self.engine.abort_request(rid)
+                except (ValueError, RuntimeError):  # finished already, or the engine is gone
+                    pass
             raise
 
     def _steps(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -224,6 +224,14 @@ class LLMEngine:
         self._publish_snapshot()
         return self.outputs.output(state, [], "")
 
+    def finish_kv_sends(self, request_ids: Sequence[str]) -> None:
+        """The receivers have the K/V of these finished requests, which a connector kept held (its ``save``
+        returned ``False``): release their blocks."""
+        for rid in request_ids:
+            self.scheduler.finish_kv_send(rid)
+        if request_ids:
+            self._publish_snapshot()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (e.g. between benchmark runs); returns the blocks dropped."""
         dropped = self.scheduler.reset_prefix_cache()
@@ -378,8 +386,8 @@ class LLMEngine:
         end = self.clock()
         if self.kv_connector is not None:
             for save in self.scheduler.take_kv_saves():
-                self.kv_connector.save(save, self.runner)
-                self.scheduler.finish_kv_send(save.request_id)
+                if self.kv_connector.save(save, self.runner):
+                    self.scheduler.finish_kv_send(save.request_id)
         if out.is_empty:
             self.metrics.record_preemptions(out)
             return []
