@@ -292,6 +292,40 @@ def test_a_killed_decode_instance_ends_its_requests_with_an_error_and_the_others
         engine.shutdown()
 
 
+def test_a_hung_instance_is_killed_after_step_timeout_and_its_requests_end_with_an_error(tiny_checkpoints,
+                                                                                         reference):
+    # a replica stopped (SIGSTOP) with requests on it never answers its step: within step_timeout the router
+    # kills it, ends its requests with an error naming it, and the other replica serves the rest
+    engine = ProcessEngine(tiny_checkpoints["llama"], instances="2", step_timeout=2.0, **OPTIONS)
+    try:
+        for i, p in enumerate(prompts()):
+            engine.add_request(f"r{i}", p, GREEDY)
+        victim = engine.instances["colocated"][1]
+        for _ in range(MAX_STEPS):
+            engine.step()
+            if victim.requests:
+                break
+        on_victim = set(victim.requests)
+        assert on_victim
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        done = run(engine, {})
+        assert time.monotonic() - t0 < 2.0 + 10.0
+        assert victim.process.exitcode is not None  # killed, not left stopped
+        for rid, out in done.items():
+            if rid in on_victim:
+                assert out.finish_reason == "error" and "did not finish a step within 2 s" in out.error
+            else:
+                assert out.token_ids == reference[rid]
+        assert set(done) == set(reference)
+    finally:
+        if victim.process.exitcode is None:
+            os.kill(victim.process.pid, signal.SIGCONT)
+        engine.shutdown()
+    with pytest.raises(ValueError, match="step_timeout=0"):
+        ProcessEngine(tiny_checkpoints["llama"], instances="2", step_timeout=0, **OPTIONS)
+
+
 def test_no_child_outlives_the_engine(tiny_checkpoints):
     engine = ProcessEngine(tiny_checkpoints["llama"], instances="1P1D", **OPTIONS)
     processes = [i.process for i in engine._all]

@@ -262,6 +262,7 @@ class Instance:
     snapshot: EngineSnapshot | None = None
     dead: str | None = None
     stepping: bool = False
+    step_started: float = 0.0
     requests: set[str] = field(default_factory=set)
     drops: list[int] = field(default_factory=list)
     """Handles of held K/V the decode side no longer needs: sent with the next command (no round trip of its
@@ -349,18 +350,24 @@ class ProcessEngine:
     """Instances of ``instances`` (``"2"``, ``"1P1D"``, ``"2P1D"``, a ``Layout``) as processes behind one router;
     see the module's docstring. options: ``LLMEngine`` options for every instance; ``prefill_options`` /
     ``decode_options`` override them for one role. num_threads: torch threads per instance. transfer_timeout:
-    seconds one wait of a K/V transfer may take before the decode side recomputes the prompt."""
+    seconds one wait of a K/V transfer may take before the decode side recomputes the prompt. step_timeout:
+    seconds an instance may take to answer a step (or any command while a step is in flight) before the router
+    counts it lost, as if it had died: a hung instance (stopped, deadlocked) is killed, and its requests are
+    rerouted or end with an error."""
 
     def __init__(self, model: str | Path | None = None, *, instances: str | Layout = "1P1D",
                  config: EngineConfig | None = None, prefill_options: dict[str, Any] | None = None,
                  decode_options: dict[str, Any] | None = None, num_threads: int = 1, transfer_timeout: float = 10.0,
-                 **options: Any) -> None:
+                 step_timeout: float = 300.0, **options: Any) -> None:
         self.layout = instances if isinstance(instances, Layout) else Layout.parse(instances)
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads={num_threads!r} must be a positive integer")
         if isinstance(transfer_timeout, bool) or not isinstance(transfer_timeout, (int, float)) \
                 or not transfer_timeout > 0:
             raise ValueError(f"transfer_timeout={transfer_timeout!r} must be > 0 (seconds)")
+        if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0:
+            raise ValueError(f"step_timeout={step_timeout!r} must be > 0 (seconds)")
+        self.step_timeout = float(step_timeout)
         if config is not None and (model is not None or options):
             raise TypeError("give either config= or the model and options, not both")
         base = config if config is not None else EngineConfig.from_options(model, **options)
@@ -524,7 +531,7 @@ class ProcessEngine:
             if inst.busy and not inst.stepping:
                 try:
                     inst.send("step")
-                    inst.stepping = True
+                    inst.stepping, inst.step_started = True, time.monotonic()
                 except InstanceLost as e:
                     self._lost(inst, str(e))
         stepping = [i for i in self._live() if i.stepping]
@@ -535,18 +542,40 @@ class ProcessEngine:
                 for inst in done:
                     self._finish_step(inst)
                 break
+            hung = [i for i in stepping if time.monotonic() - i.step_started > self.step_timeout]
+            if hung:
+                for inst in hung:
+                    self._hung(inst)
+                break
         self._process()
         outputs, self._outputs = self._outputs, []
         self._check_roles()
         return outputs
 
     def _finish_step(self, inst: Instance) -> None:
-        """Take the reply of ``inst``'s step in flight (it is processed by ``_process``)."""
-        inst.stepping = False
+        """Take the reply of ``inst``'s step in flight (it is processed by ``_process``); an instance that does
+        not answer within ``step_timeout`` of the step's start is lost (``_hung``)."""
+        left = max(self.step_timeout - (time.monotonic() - inst.step_started), _POLL)
         try:
-            self._replies.append((inst, inst.receive()))
+            reply = inst.receive(left)
         except InstanceLost as e:
-            self._lost(inst, str(e))
+            if inst.process.exitcode is None:  # alive, and silent past the bound
+                self._hung(inst)
+            else:
+                inst.stepping = False
+                self._lost(inst, str(e))
+            return
+        inst.stepping = False
+        self._replies.append((inst, reply))
+
+    def _hung(self, inst: Instance) -> None:
+        """``inst`` has not answered its step within ``step_timeout`` s: kill it and handle it as lost."""
+        inst.stepping = False
+        pid = inst.process.pid
+        inst.process.kill()
+        inst.process.join(_SHUTDOWN_GRACE)
+        self._lost(inst, f"instance {inst.name} (pid {pid}) did not finish a step within {self.step_timeout:g} s "
+                         f"(hung); it was killed")
 
     def _process(self) -> None:
         """Process the step replies taken so far: outputs to ``_outputs``, prefilled prompts handed over."""
