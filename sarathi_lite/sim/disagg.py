@@ -439,6 +439,8 @@ class _Sim:
                     self.release(t, s.request_id)
         if not out.scheduled:
             sched.update(out, {})
+            for pid in out.preempted_ids:  # a request that gave up its own blocks: counted as a step would
+                self.metrics[pid].num_preemptions += 1
             return  # idle until a transfer ends or work arrives
         inst.busy = True
         inst.out, inst.start = out, t
