@@ -321,3 +321,36 @@ def test_300_requests_at_once_against_a_queue_bound_of_64(checkpoint):
         assert r.headers["retry-after"] == "2"
     for i in ok:
         assert responses[i].json()["choices"][0]["text"] == reference[i].text
+
+
+def test_server_metrics_count_every_iteration_a_step_ran():
+    # instances as processes return from a step when one of them ends one, with the iterations of all of them
+    # since the last step: each counts once; a stats reset starts the count over
+    from types import SimpleNamespace
+
+    from sarathi_lite.engine.instances import RecentIterations
+    from sarathi_lite.metrics import IterationRecord
+    from sarathi_lite.server.metrics import ServerMetrics
+
+    def record(i: int, prefill: int, decode: int) -> IterationRecord:
+        return IterationRecord(i, 0.0, 0.1, 0.0, prefill, decode, 1 if prefill else 0, decode, 0)
+
+    metrics, rec = ServerMetrics(), RecentIterations(window=4)
+    engine = SimpleNamespace(metrics=rec)
+
+    def counted(name: str) -> float:
+        return metrics.registry.get_sample_value(f"sarathi_lite_{name}_total")
+
+    rec.add([record(0, 16, 0), record(1, 0, 3), record(2, 8, 2)])
+    metrics.on_step(engine, [])
+    assert counted("iterations") == 3 and counted("prefill_tokens") == 24 and counted("decode_tokens") == 5
+    metrics.on_step(engine, [])  # nothing new
+    assert counted("iterations") == 3
+    rec.add([record(3, 0, 1)] * 6)  # more than the window keeps: only the 4 kept are known
+    metrics.on_step(engine, [])
+    assert counted("iterations") == 7 and counted("decode_tokens") == 9
+    rec.iterations.clear()
+    rec.num_iterations = 0  # reset_stats
+    rec.add([record(0, 4, 0)])
+    metrics.on_step(engine, [])
+    assert counted("iterations") == 8 and counted("prefill_tokens") == 28

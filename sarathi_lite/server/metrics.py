@@ -59,11 +59,16 @@ class ServerMetrics:
         self.streams.set_function(lambda: engine.num_streams)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """Record the iteration ``engine`` just ran (if any) and the tokens and endings of ``outputs``."""
+        """Record the iterations ``engine`` ran since the last call (one for an ``LLMEngine`` step; any number for
+        instances as processes, whose step returns when one of them ends one) and the tokens and endings of
+        ``outputs``. A stats reset (fewer iterations than seen) starts the count over."""
         rec = engine.metrics
-        if rec.num_iterations != self._seen_iterations and rec.iterations:
-            self._seen_iterations = rec.num_iterations
-            it = rec.iterations[-1]
+        if rec.num_iterations < self._seen_iterations:
+            self._seen_iterations = 0
+        new = min(rec.num_iterations - self._seen_iterations, len(rec.iterations))
+        self._seen_iterations = rec.num_iterations
+        for k in range(new, 0, -1):  # oldest new one first; indexing from the end is cheap on a list or deque
+            it = rec.iterations[-k]
             self.iterations.inc()
             self.prefill_tokens.inc(it.num_prefill_tokens)
             self.decode_tokens.inc(it.num_decode_tokens)
