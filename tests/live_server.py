@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,16 @@ def wait_healthy(url: str, timeout: float = 60.0, headers: dict[str, str] | None
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{url} did not become healthy in {timeout} s")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Stop a server subprocess: SIGTERM, then SIGKILL if it has not exited within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager

@@ -258,27 +258,39 @@ def test_a_transfer_that_times_out_is_recomputed_on_the_decode_side(tiny_checkpo
         engine.shutdown()
 
 
+def load_until_on(engine: ProcessEngine, victim) -> set[str]:
+    """Add the seven prompts and step until ``victim`` (an instance) holds some of them; returns their ids."""
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(MAX_STEPS):
+        engine.step()
+        if victim.requests:
+            break
+    on_victim = set(victim.requests)
+    assert on_victim
+    return on_victim
+
+
+def assert_victims_failed(done: dict[str, object], on_victim: set[str], reference: dict[str, list[int]],
+                          *error_parts: str) -> None:
+    """Every request ended: those on the lost instance with an error containing ``error_parts``, the others
+    with the reference tokens."""
+    for rid, out in done.items():
+        if rid in on_victim:
+            assert out.finish_reason == "error" and all(part in out.error for part in error_parts), out.error
+        else:
+            assert out.token_ids == reference[rid]
+    assert set(done) == set(reference)
+
+
 def test_a_killed_decode_instance_ends_its_requests_with_an_error_and_the_others_go_on(tiny_checkpoints,
                                                                                         reference):
     engine = ProcessEngine(tiny_checkpoints["llama"], instances="1P2D", **OPTIONS)
     try:
-        for i, p in enumerate(prompts()):
-            engine.add_request(f"r{i}", p, GREEDY)
         victim = engine.instances["decode"][1]
-        for _ in range(MAX_STEPS):
-            engine.step()
-            if victim.requests:
-                break
-        on_victim = set(victim.requests)
-        assert on_victim
+        on_victim = load_until_on(engine, victim)
         os.kill(victim.process.pid, signal.SIGKILL)
-        done = run(engine, {})
-        for rid, out in done.items():
-            if rid in on_victim:
-                assert out.finish_reason == "error" and "decode1" in out.error and "signal 9" in out.error
-            else:
-                assert out.token_ids == reference[rid]
-        assert set(done) == set(reference)
+        assert_victims_failed(run(engine, {}), on_victim, reference, "decode1", "signal 9")
         engine.add_request("after", prompts()[1], GREEDY)
         assert run(engine, {})["after"].token_ids == reference["r1"]
         assert engine.routes["after"][1] == "decode0"
@@ -298,26 +310,14 @@ def test_a_hung_instance_is_killed_after_step_timeout_and_its_requests_end_with_
     # kills it, ends its requests with an error naming it, and the other replica serves the rest
     engine = ProcessEngine(tiny_checkpoints["llama"], instances="2", step_timeout=2.0, **OPTIONS)
     try:
-        for i, p in enumerate(prompts()):
-            engine.add_request(f"r{i}", p, GREEDY)
         victim = engine.instances["colocated"][1]
-        for _ in range(MAX_STEPS):
-            engine.step()
-            if victim.requests:
-                break
-        on_victim = set(victim.requests)
-        assert on_victim
+        on_victim = load_until_on(engine, victim)
         os.kill(victim.process.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         done = run(engine, {})
         assert time.monotonic() - t0 < 2.0 + 10.0
         assert victim.process.exitcode is not None  # killed, not left stopped
-        for rid, out in done.items():
-            if rid in on_victim:
-                assert out.finish_reason == "error" and "did not finish a step within 2 s" in out.error
-            else:
-                assert out.token_ids == reference[rid]
-        assert set(done) == set(reference)
+        assert_victims_failed(done, on_victim, reference, "did not finish a step within 2 s")
     finally:
         if victim.process.exitcode is None:
             os.kill(victim.process.pid, signal.SIGCONT)
@@ -431,7 +431,7 @@ def test_serve_with_instances_1p1d_answers_as_one_engine(tmp_path):
     import psutil
 
     from tests.conftest import TINY, make_tiny_checkpoint
-    from tests.live_server import free_port, wait_healthy
+    from tests.live_server import free_port, stop_process, wait_healthy
     from tests.tiny_tokenizer import save_tiny_tokenizer
 
     checkpoint = save_tiny_tokenizer(make_tiny_checkpoint("llama", tmp_path / "llama"), TINY["vocab_size"])
@@ -455,12 +455,7 @@ def test_serve_with_instances_1p1d_answers_as_one_engine(tmp_path):
             assert r.status_code == 200, r.text
             got.append(r.json()["choices"][0]["text"])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
     _, stderr = proc.communicate()
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"instances outlived the server: {alive}"

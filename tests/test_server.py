@@ -9,7 +9,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -21,17 +20,12 @@ import pytest
 
 from sarathi_lite import LLM, LLMEngine, SamplingParams
 from tests.conftest import TINY, make_tiny_checkpoint
+from tests.live_server import free_port, stop_process
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 MODEL = "tiny-llama"
 ENGINE = dict(chunk_size=64, block_size=4, num_kv_blocks=2048, max_num_seqs=128, device="cpu")
 PROMPTS = ["héllo wörld, 世界 你好", "The quick brown fox", "emoji 🙂 and more", "A long prompt can stall"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
@@ -67,12 +61,7 @@ def server(checkpoint):
         wait_healthy(url, proc)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import TINY, make_tiny_checkpoint
-from tests.live_server import MODEL, free_port, wait_healthy
+from tests.live_server import MODEL, free_port, stop_process, wait_healthy
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 ENGINE = dict(chunk_size=64, block_size=4, num_kv_blocks=1024, max_num_seqs=16, device="cpu")
@@ -39,18 +39,9 @@ def start_server(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     try:
         wait_healthy(url, timeout=120)
     except BaseException:
-        stop(proc)
+        stop_process(proc)
         raise
     return proc, url
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def rss_mib(pid: int) -> float:
@@ -96,7 +87,7 @@ def test_killing_the_server_mid_stream_leaves_clients_with_an_error_not_a_hang(c
     try:
         results = asyncio.run(main())
     finally:
-        stop(proc)
+        stop_process(proc)
     assert all(isinstance(r, (httpx.RemoteProtocolError, httpx.ReadError)) for r in results), results
 
 
@@ -145,7 +136,7 @@ def test_rss_stays_flat_over_1000_mixed_requests(checkpoint):
         while (used := kv_blocks_used(url)) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        stop(proc)
+        stop_process(proc)
     assert sum(counts.values()) == 1000 and counts["cancelled"] >= 100 and counts["rejected"] >= 1, counts
     assert health == 200 and used == 0
     assert after - warm < 16, f"RSS grew {after - warm:.1f} MiB over 750 requests (from {warm:.0f} MiB)"

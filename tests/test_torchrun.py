@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,8 @@ import textwrap
 import pytest
 
 from sarathi_lite import LLMEngine, SamplingParams
+
+from .live_server import free_port
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys
@@ -37,12 +38,6 @@ SCRIPT = textwrap.dedent('''
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], [30, 31, 32], [40, 41, 42, 43]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)])
 def test_torchrun_ranks_give_rank_0_the_tokens_of_one_process(tiny_checkpoints, tmp_path, pp, tp):
     path = tiny_checkpoints["llama"]
@@ -58,7 +53,7 @@ def test_torchrun_ranks_give_rank_0_the_tokens_of_one_process(tiny_checkpoints, 
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={pp * tp}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(script), str(path), str(pp), str(tp), str(out), json.dumps(PROMPTS)]
+           f"--master-port={free_port()}", str(script), str(path), str(pp), str(tp), str(out), json.dumps(PROMPTS)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]  # every rank exited 0: the workers stopped by themselves
     assert json.loads(out.read_text()) == expected
