@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from sarathi_lite import SamplingParams
+from sarathi_lite.bench.replay import play
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.engine.instances import ProcessEngine
@@ -77,21 +77,7 @@ def workload(args: argparse.Namespace) -> Workload:
 def replay(engine: ProcessEngine, wl: Workload, prompts: list[list[int]]) -> tuple[Stats, dict[str, float]]:
     """Replay ``wl`` in real time on ``engine`` (idle); returns its stats and each request's transfer seconds."""
     engine.reset_stats()
-    pending = list(zip(wl.requests, prompts))
-    start = time.perf_counter()
-    nxt = 0
-    while nxt < len(pending) or engine.has_unfinished_requests():
-        now = time.perf_counter()
-        while nxt < len(pending) and start + pending[nxt][0].arrival_time <= now:
-            spec, ids = pending[nxt]
-            engine.add_request(spec.request_id, ids, SamplingParams(temperature=0.0, max_tokens=spec.output_len,
-                                                                    ignore_eos=True),
-                               arrival_time=start + spec.arrival_time)
-            nxt += 1
-        if engine.has_unfinished_requests():
-            engine.step()
-        elif nxt < len(pending):
-            time.sleep(max(0.0, start + pending[nxt][0].arrival_time - time.perf_counter()))
+    play(engine, list(zip(wl.requests, prompts)), time.perf_counter)
     return engine.stats(), {rid: t for rid, (t, _) in engine.transfers.items()}
 
 

@@ -248,9 +248,9 @@ class MetricsRecorder:
         return m
 
     def record_preemptions(self, out: Any) -> None:
-        """Count the preemptions of ``out``, a batch that ran nothing (with batches in flight, a request not in
-        flight can find no other victim and give up its own blocks while nothing else is schedulable):
-        ``record_step`` counts those of the batches that ran."""
+        """Count the preemptions of ``out``. ``record_step`` calls it; call it alone for a batch that ran nothing
+        (with batches in flight, a request not in flight can find no other victim and give up its own blocks
+        while nothing else is schedulable), which is not recorded as an iteration."""
         for pid in out.preempted_ids:
             self.requests[pid].num_preemptions += 1
 
@@ -261,8 +261,7 @@ class MetricsRecorder:
         requests (with ``request_id``, ``finish_reason``, ``num_preemptions``) that finished in it; the model
         runner's split of the step and the pipeline stages' busy seconds as in ``IterationRecord``."""
         reqs = self.requests
-        for pid in out.preempted_ids:
-            reqs[pid].num_preemptions += 1
+        self.record_preemptions(out)
         for s in out.scheduled:
             m = reqs[s.request_id]
             if m.finish_reason == "abort":

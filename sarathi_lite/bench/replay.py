@@ -64,6 +64,30 @@ def warm_up(engine: LLMEngine, prompt_len: int = 32, output_len: int = 4) -> Non
     engine.reset_prefix_cache()
 
 
+def play(engine: Any, pending: Sequence[tuple[Any, Sequence[int]]], clock: Callable[[], float],
+         on_step: Callable[[list], None] | None = None) -> None:
+    """Add each ``(spec, prompt ids)`` of ``pending`` (a ``RequestSpec``, arrival order) to ``engine`` (an
+    ``LLMEngine`` or anything with its step API) when ``clock`` reaches its ``arrival_time`` after the start,
+    greedy with ``spec.output_len`` tokens, EOS ignored; step until every request has finished, sleeping while
+    nothing runs. on_step: called with each step's outputs."""
+    start = clock()
+    nxt = 0
+    while nxt < len(pending) or engine.has_unfinished_requests():
+        now = clock()
+        while nxt < len(pending) and start + pending[nxt][0].arrival_time <= now:
+            spec, ids = pending[nxt]
+            engine.add_request(spec.request_id, ids, SamplingParams(temperature=0.0, max_tokens=spec.output_len,
+                                                                    ignore_eos=True),
+                               arrival_time=start + spec.arrival_time)
+            nxt += 1
+        if engine.has_unfinished_requests():
+            outputs = engine.step()
+            if on_step is not None:
+                on_step(outputs)
+        elif nxt < len(pending):
+            time.sleep(max(0.0, start + pending[nxt][0].arrival_time - clock()))
+
+
 def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = None, progress: bool = True
            ) -> BenchResult:
     """Replay ``workload`` on ``engine`` in real time and return what it recorded.
@@ -82,24 +106,14 @@ def replay(engine: LLMEngine, workload: Workload, *, chunk_size: int | None = No
     engine.reset_stats()
     load_start = os.getloadavg()
     bar = _progress(len(pending), config["label"], progress)
-    clock = engine.clock
-    start = clock()
     wall = time.perf_counter()
-    nxt = 0
-    while nxt < len(pending) or engine.has_unfinished_requests():
-        now = clock()
-        while nxt < len(pending) and start + pending[nxt][0].arrival_time <= now:
-            spec, ids = pending[nxt]
-            engine.add_request(spec.request_id, ids, SamplingParams(temperature=0.0, max_tokens=spec.output_len,
-                                                                    ignore_eos=True),
-                               arrival_time=start + spec.arrival_time)
-            nxt += 1
-        if engine.has_unfinished_requests():
-            done = sum(o.finished for o in engine.step())
-            if bar is not None and done:
-                bar.update(done)
-        elif nxt < len(pending):
-            time.sleep(max(0.0, start + pending[nxt][0].arrival_time - clock()))
+
+    def finished(outputs: list) -> None:
+        done = sum(o.finished for o in outputs)
+        if bar is not None and done:
+            bar.update(done)
+
+    play(engine, pending, engine.clock, finished)
     if bar is not None:
         bar.close()
     meta = {"replay": "real-time", "date": datetime.datetime.now().isoformat(timespec="seconds"),

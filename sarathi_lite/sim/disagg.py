@@ -439,8 +439,7 @@ class _Sim:
                     self.release(t, s.request_id)
         if not out.scheduled:
             sched.update(out, {})
-            for pid in out.preempted_ids:  # a request that gave up its own blocks: counted as a step would
-                self.metrics[pid].num_preemptions += 1
+            self.count_preemptions(out)  # a request that gave up its own blocks, in a step that runs nothing
             return  # idle until a transfer ends or work arrives
         inst.busy = True
         inst.out, inst.start = out, t
@@ -463,11 +462,14 @@ class _Sim:
                 m.finished_time, m.finish_reason = t, req.finish_reason
         self.wake(inst, t)
 
+    def count_preemptions(self, out: SchedulerOutput) -> None:
+        for pid in out.preempted_ids:
+            self.metrics[pid].num_preemptions += 1
+
     def record(self, inst: Instance, out: SchedulerOutput, start: float, schedule_end: float, end: float) -> None:
         metrics = self.metrics
         samples = inst.role != "prefill"
-        for pid in out.preempted_ids:
-            metrics[pid].num_preemptions += 1
+        self.count_preemptions(out)
         for s in out.scheduled:
             m = metrics[s.request_id]
             if m.first_scheduled_time is None:
