@@ -1,11 +1,12 @@
 """How well the calibrated GPU cost model predicts measured GPU timings, model by model, against the uncalibrated
 roofline formula; leave-one-model-out validation; collective curves against their measurements.
 
-    python benchmarks/gpu_calibration.py --profiles ../shared/gpu-profiles --out docs/gpu_calibration.json
-    python benchmarks/gpu_calibration.py --profiles ../shared/gpu-profiles --write-package-data
+    python benchmarks/gpu_calibration.py --profiles DIR --out docs/gpu_calibration.json
+    python benchmarks/gpu_calibration.py --profiles DIR --write-package-data
 
-DIR is laid out like Vidur's ``data/profiling`` (``compute/<gpu>/<org>/<model>/mlp.csv``,
-``network/<gpu>_dgx/{all_reduce,send_recv}.csv``). For every model file each row (one layer's non-attention
+DIR is a copy of Vidur's measured profiles (``data/profiling`` of https://github.com/microsoft/vidur, MIT; the
+shipped package data was fitted on one and does not need it at run time): ``compute/<gpu>/<org>/<model>/mlp.csv``,
+``network/<gpu>_dgx/{all_reduce,send_recv}.csv``. For every model file each row (one layer's non-attention
 operators at one token count and tensor-parallel degree) is predicted three ways: the uncalibrated roofline
 (0.7 of peak FLOP/s, 0.85 of bandwidth), the calibration fitted to all of the GPU's models (in sample), and the
 calibration fitted without that model (held out: the number that says how far a new model shape can be trusted).
@@ -54,7 +55,8 @@ def _pct(x: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profiles", required=True, help="directory laid out like ../shared/gpu-profiles")
+    ap.add_argument("--profiles", required=True,
+                    help="a directory laid out like Vidur's data/profiling (compute/<gpu>/..., network/<gpu>_dgx/...)")
     ap.add_argument("--out", default=None, help="write the errors as JSON here")
     ap.add_argument("--write-package-data", action="store_true",
                     help="write the all-model fits to sarathi_lite/costs/data/<gpu>.json")
