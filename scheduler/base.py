@@ -410,9 +410,10 @@ class Scheduler:
 
     def _decode_cap(self) -> int | float:
         """Most decodes one batch may take (``balance_micro_batches``): ``ceil(D / P)`` of the D running requests
-        past their prompt (in flight or not) with P = ``max_concurrent_batches``; unbounded without it."""
+        past their prompt (in flight or not) with P = ``max_concurrent_batches`` (> 1: only batches in flight
+        call this); unbounded without it."""
         config = self.config
-        if not config.balance_micro_batches or config.async_scheduling or config.max_concurrent_batches == 1:
+        if not config.balance_micro_batches or config.async_scheduling:
             return math.inf
         decoding = sum(1 for r in self.running if r.num_computed_tokens + r.num_scheduled_tokens
                        >= r.num_prefill_tokens)
