@@ -214,11 +214,9 @@ def test_roofline_pipeline_stages_hold_their_layers_kv_and_parse_from_the_spec()
 
 def test_pipeline_cost_model_gives_the_last_stage_the_lm_head_of_the_sampling_rows():
     # SmolLM2-135M: 30 layers; its LM head (49,152 x 576) weighs 8.0 layers (576 x 64 x (18 + 6) + 3 x 576 x 1536)
-    from types import SimpleNamespace
+    from sarathi_lite.costs.roofline import model_shape
 
-    smol = SimpleNamespace(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                           num_key_value_heads=3, head_dim=64)
-    head = head_layer_units(smol)
+    head = head_layer_units(model_shape("smollm2-135m")[1])
     assert head == pytest.approx(49152 * 576 / (576 * 64 * 24 + 3 * 576 * 1536))
     cost = PipelineCostModel(ONE_SECOND, 2, num_layers=30, head_layers=head)
     decodes = _batch([(100 + i, 1, True) for i in range(8)])

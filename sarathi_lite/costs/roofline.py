@@ -192,8 +192,7 @@ class RooflineCostModel(CostModel):
         # per rank: 1/n of the query heads, MLP and vocabulary; KV heads split or replicated
         q_dim, kv_dim = m.num_heads // n * m.head_dim, m.kv_heads_per_rank(n) * m.head_dim
         inter = m.intermediate_size // n
-        layer_params = m.hidden_size * (q_dim + 2 * kv_dim) + q_dim * m.hidden_size + 3 * m.hidden_size * inter
-        head_params = m.hidden_size * -(-m.vocab_size // n)
+        layer_params, head_params = m.layer_weights(n), m.lm_head_weights(n)
         self.flops_per_token = 2 * m.num_layers * layer_params
         self.flops_per_sample = 2 * head_params
         self.weight_bytes = (m.num_layers * layer_params + head_params) * b

@@ -47,6 +47,18 @@ class ModelConfig:
         if not self.layer_windows:
             self.layer_windows = [-1] * self.num_layers
 
+    def layer_weights(self, tensor_parallel_size: int = 1) -> int:
+        """Weights of one decoder layer's projections (query, key, value, output and the gated MLP's three) that
+        one of ``tensor_parallel_size`` ranks holds."""
+        n = tensor_parallel_size
+        q_dim, kv_dim = self.num_heads // n * self.head_dim, self.kv_heads_per_rank(n) * self.head_dim
+        return self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size \
+            + 3 * self.hidden_size * (self.intermediate_size // n)
+
+    def lm_head_weights(self, tensor_parallel_size: int = 1) -> int:
+        """Weights of the LM head one of ``tensor_parallel_size`` ranks holds (its share of the vocabulary)."""
+        return self.hidden_size * -(-self.vocab_size // tensor_parallel_size)
+
     def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
         """KV heads one of ``tensor_parallel_size`` ranks holds: its share, or one replicated head when there
         are fewer KV heads than ranks."""

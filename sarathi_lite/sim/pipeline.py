@@ -40,6 +40,7 @@ from sarathi_lite.bench.results import BenchResult, host, run_config
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import CostModel, StepTiming
 from sarathi_lite.metrics import MetricsRecorder
+from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.stages import check_pipeline_parallel, stage_layers
 from sarathi_lite.scheduler import Request, SchedulerConfig, SchedulerOutput, StepTimePredictor, make_scheduler
 
@@ -122,17 +123,11 @@ class PipelineCostModel(CostModel):
                 "pipeline_link_bandwidth": self.link_bandwidth, "pipeline_link_latency": self.link_latency}
 
 
-def head_layer_units(config: Any) -> float:
-    """The LM head's weights over one decoder layer's (query, key, value and output projections and a gated
-    MLP), for ``config`` with ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_attention_heads`` /
-    ``num_heads``, ``num_key_value_heads`` / ``num_kv_heads`` and ``head_dim`` (optional): ``PipelineCostModel``'s
-    ``head_layers``. Per token both are one multiply-add per weight, so this is also their ratio of work."""
-    hidden = config.hidden_size
-    heads = getattr(config, "num_attention_heads", None) or config.num_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
-    return config.vocab_size * hidden / layer
+def head_layer_units(config: ModelConfig) -> float:
+    """The LM head's weights over one decoder layer's projections (``ModelConfig.lm_head_weights`` over
+    ``layer_weights``): ``PipelineCostModel``'s ``head_layers``. Per token both are one multiply-add per weight,
+    so this is also their ratio of work."""
+    return config.lm_head_weights() / config.layer_weights()
 
 
 def pipeline_parallel_size(cost_model: CostModel) -> int:
