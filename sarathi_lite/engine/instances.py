@@ -56,7 +56,7 @@ from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.p2p_connector import P2PKVConnector
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
-from sarathi_lite.engine.worker import _free_port
+from sarathi_lite.engine.worker import _SHUTDOWN_GRACE, _free_port
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.scheduler import SchedulerConfig
@@ -78,7 +78,6 @@ START_TIMEOUT = 300.0
 RECORD_WINDOW = 100_000
 """``routes`` and ``transfers`` keep the records of at most this many most recent requests."""
 _POLL = 0.05  # seconds between liveness checks while waiting for a reply
-_SHUTDOWN_GRACE = 5.0
 
 
 # ---------------------------------------------------------------------------------------------------- the child
