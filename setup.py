@@ -17,8 +17,8 @@ setup(
                   "sarathi_lite.costs": ["data/*.json", "data/README.md", "data/LICENSE"]},
     package_dir={
         "sarathi_lite": "sarathi_lite",
-        "sarathi_lite.scheduler": "scheduler",
-        "sarathi_lite.kernels": "kernels",
+        "sarathi_lite.scheduler": "scheduler/src",
+        "sarathi_lite.kernels": "kernels/src",
     },
     install_requires=[
         "torch>=2.4",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where each installed package's sources live in the checkout (setup.py's package_dir).
-SOURCES = {"sarathi_lite": ROOT / "sarathi_lite", "sarathi_lite.scheduler": ROOT / "scheduler",
-           "sarathi_lite.kernels": ROOT / "kernels"}
+SOURCES = {"sarathi_lite": ROOT / "sarathi_lite", "sarathi_lite.scheduler": ROOT / "scheduler" / "src",
+           "sarathi_lite.kernels": ROOT / "kernels" / "src"}
 
 # Which package may import which (at module level), by the first two name parts: sarathi_lite.X. The root
 # package (sarathi_lite/__init__.py) loads its public names lazily and imports none of them here.
