@@ -14,3 +14,5 @@ fi
 # FlashInfer's Python side, without its CUDA dependencies (ships no kernels; tests/test_kernels_flashinfer_conformance.py
 # runs it on the CPU with its compiled modules stubbed): apache-tvm-ffi loads its modules, nvidia-ml-py is pynvml
 "$PY" -m pip install -q --no-deps flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71
+# vLLM's CPU build and sarathi-lite beside it, in a virtual environment of its own (.venv-vllm/): the plugin's tests
+bash scripts/setup_vllm.sh

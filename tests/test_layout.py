@@ -26,6 +26,7 @@ ALLOWED = {
     "bench": {"scheduler", "metrics", "engine"},
     "sim": {"scheduler", "metrics", "models", "engine", "bench", "costs"},
     "server": {"engine"},
+    "integrations": {"scheduler", "costs"},
     "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server", "costs"},
     "__main__": {"cli"},
 }

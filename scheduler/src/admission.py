@@ -6,11 +6,19 @@ from __future__ import annotations
 from itertools import chain
 from typing import TYPE_CHECKING
 
+from .config import SchedulerConfig
 from .output import SchedulerOutput
 from .request import Request
 
 if TYPE_CHECKING:
     from .base import Scheduler
+
+
+def long_share(config: SchedulerConfig, budget: int, long_remaining: int) -> int:
+    """The prefill tokens kept for the long prompts mid-prefill in an iteration short prompts fill first:
+    ``min(long_chunk, budget // 2, long_remaining)`` (``long_remaining``: the prefill tokens they still need), so
+    they progress every iteration while at least half of ``budget`` is always the short prompts'."""
+    return min(config.long_chunk, budget // 2, long_remaining)
 
 
 class ShortPromptProtection:
@@ -67,8 +75,7 @@ class ShortPromptProtection:
         max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
         share = 0
         if longs:
-            share = min(cfg.long_chunk, budget // 2,
-                        sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
+            share = long_share(cfg, budget, sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
         short_budget = budget - share
         used = sched.schedule_partial_prefills(shorts, short_budget, out)
         short_slots = max(max_partial - len(longs), 1)

@@ -1,0 +1,159 @@
+"""``SarathiScheduler``: vLLM's ``AsyncScheduler`` with sarathi-lite deciding each step's token counts.
+
+vLLM keeps everything it owns: its requests, KV cache manager (``allocate_slots``, prefix caching, preemption),
+connectors, structured output and outputs. Each ``schedule()`` the plugin reads a ``RequestView`` of every running
+and waiting request, asks ``sarathi_lite.scheduler.plan.plan_step`` for the step, and hands the decision to
+vLLM's own fill loop through the three settings it reads at the top of every step:
+
+- the order of ``self.running`` (decodes first, then prompts mid-prefill) and of ``self.waiting``;
+- ``self.max_num_scheduled_tokens``, the step's token budget (``chunk_size``, or the ``"auto"`` budget);
+- ``scheduler_config.long_prefill_token_threshold``, the cap on one request's tokens in this step (the long
+  prompts' share under head-of-line protection).
+
+Both settings are put back after the step, so vLLM's configuration is unchanged between steps. With
+``policy="vllm_v1"`` nothing is changed and the steps are only logged. Every step appends a record to
+``step_log`` (bounded in memory; also a JSON-lines file with the ``step_log`` option): the plan and what vLLM
+scheduled, so tests and benchmarks can check each claim against what really ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput, TokenBudget
+from sarathi_lite.scheduler.plan import RequestView, plan_step
+
+from .options import parse_options
+
+logger = logging.getLogger(__name__)
+
+STEP_LOG_LENGTH = 100_000
+"""Step records kept in memory (the oldest are dropped)."""
+
+
+def _view(request: Any) -> RequestView:
+    """A vLLM ``Request`` as the decision sees it (tokens in flight under async scheduling count as known)."""
+    return RequestView(request.request_id, request.num_computed_tokens,
+                       request.num_tokens_with_spec + request.num_output_placeholders, request.num_prompt_tokens,
+                       request.arrival_time)
+
+
+class SarathiScheduler(AsyncScheduler):
+    """vLLM's scheduler with sarathi-lite's step decision (see the module docstring). Options come from
+    ``additional_config["sarathi_lite"]`` (``sarathi_lite.integrations.vllm.options``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        sched = self.scheduler_config
+        if not isinstance(self.waiting, FCFSRequestQueue):
+            raise ValueError(f"sarathi_lite's scheduler orders requests itself: use vLLM's scheduling policy "
+                             f"'fcfs', not {sched.policy!r}")
+        if not sched.enable_chunked_prefill:
+            raise ValueError("sarathi_lite's scheduler chunks prompts: enable chunked prefill in vLLM")
+        if self.num_spec_tokens:
+            raise ValueError("sarathi_lite's scheduler does not support speculative decoding yet")
+        cache = self.cache_config
+        self.options = parse_options(
+            self.vllm_config.additional_config, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, block_size=self.block_size,
+            num_blocks=self.kv_cache_config.num_blocks, long_prefill_token_threshold=sched.long_prefill_token_threshold,
+            enable_prefix_caching=bool(cache.enable_prefix_caching))
+        config = self.options.config
+        self.token_budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
+        self.step_log: deque[dict[str, Any]] = deque(maxlen=STEP_LOG_LENGTH)
+        self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
+        self._step_started: dict[int, tuple[float, float | None, Any]] = {}
+        logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
+                    config.chunk_size, config.hol_protection)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self.options.policy == "vllm_v1":
+            decodes = [r.request_id for r in self.running if _view(r).is_decode]
+            output = super().schedule(*args, **kwargs)
+            self._record(output, decodes, None)
+            return output
+        running = [_view(r) for r in self.running]
+        waiting = [_view(r) for r in self.waiting]
+        plan = plan_step(running, waiting, self.options.config, self.token_budget)
+        self._reorder(plan)
+        sched = self.scheduler_config
+        threshold, budget = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
+        sched.long_prefill_token_threshold = plan.long_cap or 0
+        self.max_num_scheduled_tokens = plan.token_budget
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            sched.long_prefill_token_threshold = threshold
+            self.max_num_scheduled_tokens = budget
+        self._record(output, [v.request_id for v in running if v.is_decode], plan)
+        return output
+
+    def _reorder(self, plan: Any) -> None:
+        """Put ``self.running`` and ``self.waiting`` in the plan's order (in place: vLLM holds references)."""
+        rank = {rid: i for i, rid in enumerate(plan.running)}
+        self.running.sort(key=lambda r: rank[r.request_id])
+        if len(self.waiting) > 1:
+            order = {rid: i for i, rid in enumerate(plan.waiting)}
+            queue = sorted(self.waiting, key=lambda r: order[r.request_id])
+            if any(a is not b for a, b in zip(queue, self.waiting)):
+                self.waiting.clear()
+                self.waiting.extend(queue)
+
+    def _record(self, output: Any, decodes: list[str], plan: Any) -> None:
+        """Append the step's record: what was planned and what vLLM scheduled."""
+        scheduled = dict(output.num_scheduled_tokens)
+        preempted = sorted(output.preempted_req_ids or ())
+        record = {
+            "step": self.current_step,
+            "scheduled": scheduled,
+            "decodes": decodes,
+            "preempted": preempted,
+            "token_budget": plan.token_budget if plan else self.max_num_scheduled_tokens,
+            "long_cap": plan.long_cap if plan else None,
+            "planned": plan.tokens if plan else None,
+            "predicted": plan.predicted_step_time if plan else None,
+            "measured": None,
+            "time": time.monotonic(),
+        }
+        self.step_log.append(record)
+        if self.token_budget is not None and scheduled:
+            rows = SchedulerOutput()  # the step as the cost model prices it (computed counts advanced already)
+            decoding = set(decodes)
+            for rid, n in scheduled.items():
+                start = self.requests[rid].num_computed_tokens - n
+                rows.add(ScheduledRequest(rid, start, n, [], [], True, rid not in decoding))
+            self._step_started[id(output)] = (time.perf_counter(), None, (rows, record))
+        elif self._log_file is not None:
+            self._write(record)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        started = self._step_started.pop(id(scheduler_output), None)
+        if started is not None:
+            t0, _, (rows, record) = started
+            measured = time.perf_counter() - t0
+            record["measured"] = measured
+            if not self.scheduler_config.async_scheduling:  # overlapped steps have no step time of their own
+                self.token_budget.observe_output(rows, measured)
+            if self._log_file is not None:
+                self._write(record)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._log_file.write(json.dumps(record) + "\n")
+        self._log_file.flush()
+
+    def shutdown(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        super().shutdown()
+

@@ -1,0 +1,173 @@
+"""The scheduling decision over a read-only view of requests, for engines whose requests and KV cache are not ours.
+
+Another engine (vLLM, through ``sarathi_lite.integrations.vllm``) keeps its own request objects, KV cache manager
+and greedy fill loop: each step it walks its running requests in list order, gives each ``min(tokens it still
+needs, per-request cap, budget left)`` and then admits waiting requests in queue order the same way, while KV
+blocks last. ``plan_step`` decides, from a ``RequestView`` of each request, the three things such a loop takes:
+
+- the order of the running requests: every decode first (so no decode is ever left out of a step that schedules
+  prefill tokens), then prompts mid-prefill: short ones before long ones under head-of-line protection, else
+  in arrival order;
+- the order of the waiting requests: short prompts before long ones under head-of-line protection, else as is;
+- the step's token budget (``chunk_size``, or with ``chunk_size="auto"`` the decodes plus the prefill tokens
+  ``TokenBudget`` predicts fit the TBT target) and a cap on any one request's tokens in this step: under
+  head-of-line protection, while a long prompt is mid-prefill beside a short one, the long prompts' share
+  (``admission.long_share``, the rule ``ShortPromptProtection`` uses) or, if more, what the short prompts leave
+  of the budget, so the short prompts get the rest; otherwise the configured ``long_prefill_token_threshold``.
+  A greedy loop applies one cap to every request: where the short prompts need more than the budget less the
+  share, a short prompt longer than the share gets the share in this step (our own scheduler would give it more).
+
+Stdlib only, like the whole scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .admission import long_share
+from .budget import TokenBudget
+from .config import SchedulerConfig
+from .output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What the decision reads of one request, whatever engine owns it.
+
+    request_id: the engine's id.
+    num_computed_tokens: tokens whose K/V are cached or being computed by a batch in flight.
+    num_tokens: tokens known to the engine (prompt, outputs so far, tokens in flight), so ``num_tokens -
+        num_computed_tokens`` is what the request still needs to catch up (1 for a decode).
+    num_prompt_tokens: the prompt's length (whether it is long is judged on it).
+    arrival: arrival order key (seconds or a counter); smaller arrived earlier.
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int
+    num_prompt_tokens: int
+    arrival: float = 0.0
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens the request needs to catch up with what is known."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether the request needs exactly one token (a decode, or the last token of a prompt)."""
+        return self.num_remaining == 1
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's decision, in the terms a greedy fill loop takes.
+
+    running: running request ids in the order the step should fill them.
+    waiting: waiting request ids in the order they should be admitted.
+    token_budget: tokens the step may hold in all.
+    long_cap: most tokens any one request may get in this step (``None``: no cap).
+    tokens: what a greedy fill with these settings gives each request when KV blocks and seats do not run out
+        (request id -> tokens; waiting requests as if their whole prompt still had to be computed).
+    predicted_step_time: with ``chunk_size="auto"``, the predicted seconds of the planned step (else ``None``).
+    """
+
+    running: list[str]
+    waiting: list[str]
+    token_budget: int
+    long_cap: int | None
+    tokens: dict[str, int] = field(default_factory=dict)
+    predicted_step_time: float | None = None
+
+
+def fill(running: Sequence[RequestView], waiting: Sequence[RequestView], token_budget: int,
+         long_cap: int | None, max_running: int | None = None) -> dict[str, int]:
+    """The greedy fill a vLLM-style loop runs: running requests in order, then waiting ones while seats last
+    (``max_running``: most requests running at once), each ``min(num_remaining, long_cap, budget left)``.
+    Returns request id -> tokens (requests given none are left out)."""
+    tokens: dict[str, int] = {}
+    left = token_budget
+    seats = len(running) + len(waiting) if max_running is None else max_running
+    for i, view in enumerate((*running, *waiting)):
+        if left <= 0 or i >= max(seats, len(running)):  # a waiting one would run as one of i + 1
+            break
+        n = view.num_remaining
+        if long_cap is not None and 0 < long_cap < n:
+            n = long_cap
+        n = min(n, left)
+        if n > 0:
+            tokens[view.request_id] = n
+            left -= n
+    return tokens
+
+
+def decode_rows(decodes: Sequence[RequestView]) -> SchedulerOutput:
+    """A ``SchedulerOutput`` holding one decode row per view (token ids and block tables left empty): what a
+    step-time predictor needs to price the decode part of a step."""
+    out = SchedulerOutput()
+    for view in decodes:
+        out.add(ScheduledRequest(view.request_id, view.num_computed_tokens, 1, [], [], True, False))
+    return out
+
+
+def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], config: SchedulerConfig,
+              budget: TokenBudget | None = None) -> StepPlan:
+    """Decide one step (see the module docstring).
+
+    running: the requests holding KV blocks, in the engine's order. waiting: the queue, in its order.
+    config: a chunked policy's ``SchedulerConfig`` (its ``chunk_size``, ``max_num_batched_tokens``,
+    ``hol_protection``, ``long_prefill_token_threshold``, ...). budget: the ``TokenBudget`` of
+    ``chunk_size="auto"`` (required then)."""
+    decodes = [v for v in running if v.is_decode]
+    prefills = sorted((v for v in running if not v.is_decode), key=lambda v: v.arrival)
+    limit = config.max_num_batched_tokens
+    seats = max(config.max_running - len(running), 0)
+    predicted = None
+    if config.auto_budget:
+        if budget is None:
+            raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
+        out = decode_rows(decodes)
+        candidates = [(v, v.num_remaining) for v in (*prefills, *waiting[:seats])]
+        prefill = budget.prefill_tokens(out, candidates)
+        token_budget = min(len(decodes) + prefill, limit)
+    else:
+        token_budget = min(max(config.chunk_size, len(decodes)), limit)
+    long_cap = config.long_prefill_token_threshold
+    waiting_order = list(waiting)
+    threshold = config.long_threshold if config.protects_short_prompts else None
+    if threshold is not None:
+        def is_long(v: RequestView) -> bool:
+            return v.num_prompt_tokens > threshold
+
+        longs = [v for v in prefills if is_long(v)]
+        shorts = [v for v in prefills if not is_long(v)]
+        waiting_order = [v for v in waiting if not is_long(v)] + [v for v in waiting if is_long(v)]
+        prefills = shorts + longs
+        long_cap = None
+        waiting_shorts = [v for v in waiting[:seats] if not is_long(v)]
+        if longs and (shorts or waiting_shorts):
+            # the long prompts get their share, and whatever the short ones leave of the budget
+            prefill_budget = token_budget - len(decodes)
+            short_need = sum(v.num_remaining for v in (*shorts, *waiting_shorts))
+            share = long_share(config, prefill_budget, sum(v.num_remaining for v in longs))
+            long_cap = max(share, prefill_budget - short_need, 1)
+    ordered = decodes + prefills
+    tokens = fill(ordered, waiting_order, token_budget, long_cap, config.max_running)
+    if budget is not None:
+        predicted = budget.predict(_planned_output(ordered, waiting_order, tokens))
+    return StepPlan([v.request_id for v in ordered], [v.request_id for v in waiting_order], token_budget,
+                    long_cap, tokens, predicted)
+
+
+def _planned_output(running: Sequence[RequestView], waiting: Sequence[RequestView],
+                    tokens: dict[str, int]) -> SchedulerOutput:
+    """The planned step as a ``SchedulerOutput`` (rows without token ids or block tables), for a predictor."""
+    out = SchedulerOutput()
+    for view in (*running, *waiting):
+        n = tokens.get(view.request_id)
+        if n:
+            start = view.num_computed_tokens
+            out.add(ScheduledRequest(view.request_id, start, n, [], [], start + n == view.num_tokens,
+                                     not view.is_decode))
+    return out

@@ -1,0 +1,102 @@
+"""The step decision over a read-only view (``sarathi_lite.scheduler.plan``), which the vLLM plugin applies: it
+makes the same batches as our own scheduler where the two rules coincide, and each claim holds on its own."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sarathi_lite.scheduler import Request, SchedulerConfig, TokenBudget, make_scheduler
+from sarathi_lite.scheduler.admission import long_share
+from sarathi_lite.scheduler.plan import RequestView, fill, plan_step
+
+
+def _view(req: Request) -> RequestView:
+    return RequestView(req.request_id, req.num_computed_tokens, req.num_tokens, len(req.prompt_token_ids), req.seq)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_makes_our_schedulers_fcfs_batches_on_random_workloads(seed):
+    """Without head-of-line protection or prefix caching, and with KV to spare, the plan (decodes first, then
+    prompts in arrival order, under chunk_size) gives every request the tokens our sarathi scheduler does."""
+    rng = random.Random(seed)
+    config = SchedulerConfig(policy="sarathi", chunk_size=rng.choice([16, 32, 64]), max_num_seqs=8,
+                             hol_protection=False, enable_prefix_caching=False, block_size=8, num_blocks=4096,
+                             max_model_len=1024)
+    sched = make_scheduler(config)
+    pending = [Request(f"r{i}", [1] * rng.randint(1, 200), max_tokens=rng.randint(1, 12)) for i in range(30)]
+    steps = 0
+    while pending or sched.has_unfinished():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                sched.add(pending.pop(0))
+        plan = plan_step([_view(r) for r in sched.running], [_view(r) for r in sched.waiting], config)
+        out = sched.schedule()
+        assert plan.tokens == {s.request_id: s.num_new_tokens for s in out.scheduled}, steps
+        sched.update(out, {s.request_id: 7 for s in out.scheduled if s.sample})
+        steps += 1
+    assert steps > 20
+
+
+def test_decodes_come_first_and_all_of_them_even_beyond_the_chunk_size():
+    config = SchedulerConfig(chunk_size=4, max_num_seqs=16, hol_protection=False)
+    prefill = RequestView("p", 0, 50, 50, 0)
+    decodes = [RequestView(f"d{i}", 10, 11, 10, i + 1) for i in range(6)]
+    plan = plan_step([prefill, *decodes], [], config)
+    assert plan.running == ["p", *[d.request_id for d in decodes]][1:] + ["p"]
+    assert plan.token_budget == 6 and plan.tokens == {d.request_id: 1 for d in decodes}
+    plan = plan_step([prefill, *decodes[:2]], [], config)
+    assert plan.tokens == {"d0": 1, "d1": 1, "p": 2}
+
+
+def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leaves():
+    config = SchedulerConfig(chunk_size=64, max_num_seqs=16)  # long: above 4 chunks (256 tokens)
+    long = RequestView("long", 64, 1000, 1000, 0)
+    short = RequestView("short", 0, 20, 20, 1)
+    decode = RequestView("d", 30, 31, 30, 2)
+    plan = plan_step([long, decode], [short], config)
+    assert long_share(config, 63, 936) == config.long_chunk == 16
+    # the long prompt gets what the short one leaves (as ShortPromptProtection gives it), more than its share
+    assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
+    # short prompts that need more than the budget less the share: the long prompts are held to their share
+    crowd = [RequestView(f"s{i}", 0, 30, 30, i + 1) for i in range(3)]
+    plan = plan_step([long, decode], crowd, config)
+    assert plan.long_cap == 16 and plan.tokens == {"d": 1, "long": 16, "s0": 16, "s1": 16, "s2": 15}
+    # nobody to protect: the long prompt takes the whole budget left
+    assert plan_step([long, decode], [], config).tokens == {"d": 1, "long": 63}
+
+
+def test_waiting_short_prompts_are_admitted_before_an_earlier_long_one():
+    config = SchedulerConfig(chunk_size=64, max_num_seqs=16)
+    waiting = [RequestView("long", 0, 900, 900, 0), RequestView("s1", 0, 10, 10, 1), RequestView("s2", 0, 30, 30, 2)]
+    plan = plan_step([], waiting, config)
+    assert plan.waiting == ["s1", "s2", "long"]
+    assert plan.tokens == {"s1": 10, "s2": 30, "long": 24}
+    off = plan_step([], waiting, SchedulerConfig(chunk_size=64, max_num_seqs=16, hol_protection=False))
+    assert off.waiting == ["long", "s1", "s2"] and off.tokens == {"long": 64}
+
+
+class _LinearCost:
+    """A step time of 10 ms plus 0.1 ms per token."""
+
+    def predict_step_time(self, out) -> float:
+        return 0.010 + 1e-4 * out.num_batched_tokens
+
+
+def test_auto_budget_plans_the_largest_step_within_the_target():
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.05, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, max_num_seqs=64, hol_protection=False)
+    budget = TokenBudget(config, _LinearCost())
+    decodes = [RequestView(f"d{i}", 100, 101, 100, i) for i in range(40)]
+    plan = plan_step(decodes, [RequestView("p", 0, 5000, 5000, 99)], config, budget)
+    assert plan.predicted_step_time <= 0.05
+    prefill = plan.tokens["p"]
+    assert prefill % 16 == 0 and 0.010 + 1e-4 * (40 + prefill + 16) > 0.05  # one more block would not fit
+    assert plan.token_budget == 40 + prefill
+
+
+def test_fill_respects_seats_cap_and_budget():
+    views = [RequestView(f"r{i}", 0, 50, 50, i) for i in range(5)]
+    assert fill(views[:1], views[1:], 120, 30, max_running=3) == {"r0": 30, "r1": 30, "r2": 30}
+    assert fill([], views, 70, None) == {"r0": 50, "r1": 20}
