@@ -100,3 +100,34 @@ def test_fill_respects_seats_cap_and_budget():
     views = [RequestView(f"r{i}", 0, 50, 50, i) for i in range(5)]
     assert fill(views[:1], views[1:], 120, 30, max_running=3) == {"r0": 30, "r1": 30, "r2": 30}
     assert fill([], views, 70, None) == {"r0": 50, "r1": 20}
+
+
+def test_vllm_v1_policy_fills_running_in_list_order_under_vllms_cap():
+    """vLLM's rule by hand: running requests in list order (a prompt mid-prefill before a later decode), each
+    capped at long_prefill_token_threshold, then waiting ones on what is left."""
+    config = SchedulerConfig(policy="vllm_v1", chunk_size=64, max_num_seqs=8, block_size=8, num_blocks=256,
+                             long_prefill_token_threshold=40, enable_prefix_caching=False)
+    sched = make_scheduler(config)
+    sched.add(Request("d", [3] * 5, max_tokens=10))
+    out = sched.schedule()
+    sched.update(out, {"d": 7})  # d decodes from now on
+    sched.add(Request("p", [3] * 100, max_tokens=4))
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("d", 1), ("p", 40)]
+    sched.update(out, {"d": 7})
+    sched.add(Request("w", [3] * 10, max_tokens=4))
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("d", 1), ("p", 40), ("w", 10)]
+
+
+def test_the_simulator_runs_vllms_rule_beside_sarathi():
+    from sarathi_lite.bench.workload import Workload
+    from sarathi_lite.costs import load_cost_model
+    from sarathi_lite.sim.simulator import run
+
+    wl = Workload.from_trace("conversation", num_requests=40, qps=4.0)
+    results = run(wl, load_cost_model("roofline:h100:llama3-8b"), policies=["vllm_v1", "sarathi"],
+                  chunk_sizes=[512])
+    summaries = {r.config["policy"]: r.summary() for r in results}
+    assert set(summaries) == {"vllm_v1", "sarathi"}
+    assert all(s["num_requests"] == 40 for s in summaries.values())

@@ -11,8 +11,9 @@ from .base import Scheduler
 from .budget import StepTimePredictor
 from .config import SchedulerConfig
 from .kv_transfer import KVConnectorScheduler
-from .output import SchedulerOutput
+from .output import ScheduledRequest, SchedulerOutput
 from .registry import policy_class, register_policy
+from .request import RequestStatus
 
 
 @register_policy
@@ -97,6 +98,72 @@ class SimpleChunkingScheduler(Scheduler):
             if out.is_empty:  # every decode was preempted to make room: chunk prompts rather than run nothing
                 self.schedule_prefills(prefills, self.prefill_budget(out, prefills), out)
         self._last_was_prefill = out.num_prefills > 0
+
+
+@register_policy
+class VLLMV1Scheduler(Scheduler):
+    """vLLM V1's own rule (vLLM 0.32, ``policy="fcfs"``, chunked prefill), reproduced so the simulator can run vLLM
+    beside sarathi-lite's policies: one token budget (``chunk_size``, vLLM's ``max_num_batched_tokens``) filled
+    from the running requests in list order, decodes and prompt chunks alike, each ``min(tokens it needs,
+    long_prefill_token_threshold, budget left)`` (the cap only while more than one request is running or waiting);
+    a request that cannot get its blocks preempts the last running one (itself, if it is the last); then, only in
+    a step that preempted nobody, waiting prompts are admitted in order on what is left, each capped the same
+    way, while seats and blocks last. No head-of-line protection and no partial-prefill limits.
+
+    Checked step by step against the real vLLM scheduler (``tests/vllm_plugin``). Where it differs from vLLM:
+    blocks for a prompt's whole prefill are taken at admission (vLLM checks that they are free, then takes them
+    chunk by chunk), and a request that is preempted keeps its arrival place in ``running`` when readmitted (vLLM
+    appends it), so the two part only once the pool runs short."""
+
+    policy = "vllm_v1"
+    chunked = True
+    reproduces = "vLLM 0.32 V1 scheduler"
+
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None,
+                 connector: KVConnectorScheduler | None = None) -> None:
+        super().__init__(config, predictor, connector)
+        self.protection = None  # vLLM has none
+
+    def compose(self, out: SchedulerOutput) -> None:
+        cfg = self.config
+        budget = cfg.token_budget
+        threshold = cfg.long_prefill_token_threshold
+        cap = threshold if threshold and len(self.running) + len(self.waiting) > 1 else None
+        kv, pool, bs = self.kv, self.block_manager, cfg.block_size
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            i += 1
+            if req.num_in_flight:
+                continue
+            if req.is_prefill:  # its blocks were taken at admission
+                budget -= self.schedule_prefill_chunk(req, min(budget, cap or budget), out)
+                continue
+            if req.num_computed_tokens == len(req.block_ids) * bs:
+                while not pool.num_free_blocks and req.status is RequestStatus.RUNNING:
+                    victim = self._victim(i - 1)  # the last running request (not in flight): later in the list
+                    if victim is None:
+                        break
+                    self.preempt(victim, out)
+                if req.status is not RequestStatus.RUNNING or not pool.num_free_blocks:
+                    break
+                kv.allocate_one(req)
+            out.add(ScheduledRequest(req.request_id, req.num_computed_tokens, 1, [req.output_token_ids[-1]],
+                                     req.block_ids[:], True, False))
+            budget -= 1
+        if not out.preempted_ids:
+            self._admit(budget, cap, out)
+
+    def _admit(self, budget: int, cap: int | None, out: SchedulerOutput) -> None:
+        """Admit waiting prompts in order while budget, seats and blocks last, each chunk ``min(need, cap, left)``."""
+        waiting = self.waiting
+        while waiting and budget > 0 and self.has_seat():
+            req = waiting[0]
+            prefix, _, fits = self.admission_blocks(req)
+            if not fits:
+                break
+            waiting.popleft()
+            budget -= self.start(req, prefix, min(budget, cap or budget), out)
 
 
 def make_scheduler(config: SchedulerConfig | None = None, predictor: StepTimePredictor | None = None,

@@ -70,6 +70,7 @@ class SarathiScheduler(AsyncScheduler):
         self.step_log: deque[dict[str, Any]] = deque(maxlen=STEP_LOG_LENGTH)
         self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
         self._step_started: dict[int, tuple[float, float | None, Any]] = {}
+        self._known: set[str] = set()  # the requests a step record has named (live ones only)
         logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
                     config.chunk_size, config.hol_protection)
 
@@ -112,8 +113,11 @@ class SarathiScheduler(AsyncScheduler):
         """Append the step's record: what was planned and what vLLM scheduled."""
         scheduled = dict(output.num_scheduled_tokens)
         preempted = sorted(output.preempted_req_ids or ())
+        new = {rid: [r.num_prompt_tokens, r.max_tokens] for rid, r in self.requests.items() if rid not in self._known}
+        self._known = set(self.requests)
         record = {
             "step": self.current_step,
+            "new": new,
             "scheduled": scheduled,
             "decodes": decodes,
             "preempted": preempted,
