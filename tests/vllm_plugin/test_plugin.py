@@ -9,7 +9,7 @@ import pytest
 from vllm import SamplingParams
 
 from sarathi_lite.costs import ProfiledCostModel
-from sarathi_lite.integrations.vllm import SarathiScheduler, parse_options
+from sarathi_lite.integrations.vllm import SarathiScheduler, check_vllm_version, parse_options
 
 from .conftest import close, make_llm, scheduler_of
 
@@ -197,3 +197,14 @@ def test_bad_options_are_refused_naming_the_value():
         with pytest.raises(ValueError, match=message):
             parse_options({"sarathi_lite": options}, **limits)
     assert parse_options(None, **limits).config.chunk_size == 256
+
+
+def test_unsupported_vllm_versions_are_refused_naming_both():
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(RuntimeError, match=r"0\.32\.0.*'0\.31\.1'"):
+        check_vllm_version("0.31.1")
+
+
+def test_a_bad_option_stops_the_engine_before_it_serves(tiny_model):
+    with pytest.raises(Exception, match="chunk_size=4096 is larger than vLLM's max_num_batched_tokens=256"):
+        make_llm(tiny_model, skip_tokenizer_init=True, plugin={"chunk_size": 4096})

@@ -1,0 +1,227 @@
+"""vLLM's CPU build with its own scheduler against vLLM with sarathi-lite's plugin, online, on this machine.
+
+Every system is an OpenAI-compatible server on loopback, all started first and then driven in alternating rounds
+by the same client (``sarathi_lite.bench.http_client.replay_http``: streamed, greedy, ``ignore_eos``):
+
+- ``vllm``: ``vllm serve`` with its default scheduler (``--max-num-batched-tokens`` B);
+- ``plugin``: the same with ``--scheduler-cls sarathi_lite.integrations.vllm.SarathiScheduler`` and a fixed
+  ``chunk_size`` (default B: the same budget, so what differs is decodes first and head-of-line protection);
+- ``plugin-auto``: the plugin with ``chunk_size="auto"`` at the TBT SLO (``--tbt-slo``) on ``--cost-model``
+  (a profile of this machine, corrected online by the plugin's measured step times);
+- ``sarathi-lite``: our own engine's server on the same model (``sarathi-lite serve``), for the reader.
+
+Workloads: a long-tail mix (``--long-every``-th prompt ``--long-prompt`` tokens, the others 32-256) at ``--qps``,
+with short and long requests' TTFT apart; and the scaled conversation trace at each of ``--rates`` (capacity: the
+highest rate whose P99 TBT meets the SLO with TTFT p50 within ``--max-ttft-p50``; a client cannot see the
+scheduling delay, so the TTFT median stands in for it).
+
+    python benchmarks/vllm_plugin.py                      # about 40 minutes on 2 cores, nothing else running
+    python benchmarks/vllm_plugin.py --quick              # one round, small, a check of the script (minutes)
+
+Prints a table and writes ``--out`` (JSON: command, date, commit, load average; no machine paths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from sarathi_lite.bench.http_client import replay_http
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.models import builtin
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = "sarathi_lite.integrations.vllm.SarathiScheduler"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process on loopback; ``stop()`` ends it (and every process it started)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict[str, str]) -> None:
+        self.name, self.port, self.log = name, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self._sink = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self._sink, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.started = time.monotonic()
+
+    def wait(self, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return time.monotonic() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} did not start within {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(timeout=30)
+        self._sink.close()
+
+
+def servers(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Server]:
+    venv_python = Path(args.vllm_venv) / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    common = [str(model), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+              "--max-num-batched-tokens", str(args.budget), "--served-model-name", "m", "--no-enable-prefix-caching"]
+    vllm = [str(venv_python.with_name("vllm")), "serve"]
+    plugin = {"chunk_size": args.chunk_size or args.budget}
+    auto = {"chunk_size": "auto", "tbt_slo": args.tbt_slo, "cost_model": str(Path(args.cost_model).resolve())}
+    specs = {
+        "vllm": vllm + common,
+        "plugin": vllm + common + ["--scheduler-cls", PLUGIN, "--additional-config",
+                                   json.dumps({"sarathi_lite": plugin})],
+        "plugin-auto": vllm + common + ["--scheduler-cls", PLUGIN, "--additional-config",
+                                        json.dumps({"sarathi_lite": auto})],
+        "sarathi-lite": [sys.executable, "-m", "sarathi_lite", "serve", "--model", str(model), "--host", "127.0.0.1",
+                         "--chunk-size", str(args.chunk_size or args.budget), "--threads", str(args.threads),
+                         "--served-model-name", "m", "--no-enable-prefix-caching"],
+    }
+    out = {}
+    for name in args.systems:
+        port = _free_port()
+        cmd = specs[name] + ["--port", str(port)]
+        out[name] = Server(name, cmd, port, logs / f"{name}.log", env)
+    return out
+
+
+def long_tail(args: argparse.Namespace, tmp: Path, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    path = tmp / f"long_tail_{seed}.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["num_prefill_tokens", "num_decode_tokens"])
+        for i in range(args.num_requests):
+            prompt = args.long_prompt if i % args.long_every == args.long_every - 1 else int(rng.integers(32, 257))
+            w.writerow([prompt, int(rng.integers(32, 65))])
+    return Workload.from_trace(path, qps=args.qps, seed=seed)
+
+
+def conversation(args: argparse.Namespace, qps: float, seed: int) -> Workload:
+    return Workload.from_trace("conversation", num_requests=args.num_requests, qps=qps, prompt_scale=0.25,
+                               output_scale=0.25, max_prompt=1024, max_output=128, seed=seed)
+
+
+def summarize(result: Any, long_threshold: int) -> dict[str, Any]:
+    s = result.summary()
+    cells = {k: s.get(k) for k in ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99", "throughput_output_tokens_per_s",
+                                   "num_requests")}
+    for name, keep in (("short", lambda r: r.num_prompt_tokens < long_threshold),
+                       ("long", lambda r: r.num_prompt_tokens >= long_threshold)):
+        ttft = [r.ttft for r in result.stats.requests if r.ttft is not None and keep(r)]
+        if ttft:
+            cells[f"{name}_ttft_p50"] = float(np.percentile(ttft, 50))
+            cells[f"{name}_ttft_p99"] = float(np.percentile(ttft, 99))
+    cells["errors"] = result.meta.get("num_errors", 0)
+    return cells
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--systems", nargs="+", default=["vllm", "plugin", "plugin-auto", "sarathi-lite"])
+    p.add_argument("--budget", type=int, default=512, help="vLLM's --max-num-batched-tokens for every system")
+    p.add_argument("--chunk-size", type=int, default=None, help="the plugin's fixed chunk size (default --budget)")
+    p.add_argument("--tbt-slo", type=float, default=1.065, help="seconds: the README's CPU SLO (P99 TBT)")
+    p.add_argument("--max-ttft-p50", type=float, default=2.0, help="seconds, with the SLO, for capacity")
+    p.add_argument("--cost-model", default=str(ROOT / "docs" / "sim_profile_smollm2_2026-12-03.json"))
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--qps", type=float, default=0.5, help="the long-tail mix's rate (requests/s)")
+    p.add_argument("--long-prompt", type=int, default=3000)
+    p.add_argument("--long-every", type=int, default=8)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.3, 0.5, 0.8])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="sarathi-lite's torch threads")
+    p.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--quick", action="store_true", help="one round, 8 requests, one rate: a check of the script")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_plugin.json"))
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.num_requests, args.rates, args.long_prompt, args.long_every = 1, 8, [0.5], 600, 4
+    if not (Path(args.vllm_venv) / "bin" / "python").exists():
+        sys.exit(f"vLLM is not installed at {args.vllm_venv}: run scripts/setup_vllm.sh first")
+    model = Path(args.model) if args.model else Path(builtin.resolve_model("smollm2-135m"))
+    tmp = Path(tempfile.mkdtemp(prefix="vllm-plugin-"))
+    running = servers(args, model, tmp)
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    try:
+        startup = {name: round(s.wait(args.start_timeout), 1) for name, s in running.items()}
+        for rnd in range(args.rounds):
+            order = list(running) if rnd % 2 == 0 else list(reversed(running))
+            jobs = [("long-tail", args.qps, long_tail(args, tmp, rnd))]
+            jobs += [("conversation", q, conversation(args, q, rnd)) for q in args.rates]
+            for workload_name, qps, wl in jobs:
+                for name in order:
+                    load = os.getloadavg()[0]
+                    result = replay_http(wl, running[name].url, model="m", progress=False, timeout=900.0)
+                    row = {"system": name, "workload": workload_name, "qps": qps, "round": rnd,
+                           "load_average": round(load, 2), **summarize(result, args.long_prompt)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        for s in running.values():
+            s.stop()
+    capacity = {}
+    for name in running:
+        passing = [q for q in args.rates
+                   if all(r["tbt_p99"] is not None and r["tbt_p99"] <= args.tbt_slo
+                          and r["ttft_p50"] is not None and r["ttft_p50"] <= args.max_ttft_p50
+                          for r in rows if r["system"] == name and r["workload"] == "conversation" and r["qps"] == q)]
+        capacity[name] = max(passing, default=0.0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+              "commit": commit, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
+              "startup_s": startup, "capacity_rps": capacity, "rows": rows,
+              "options": {k: v for k, v in vars(args).items() if k not in ("model", "vllm_venv", "out",
+                                                                          "cost_model")}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    keys = ("ttft_p50", "short_ttft_p99", "long_ttft_p99", "tbt_p50", "tbt_p99", "throughput_output_tokens_per_s")
+    print(f"\n{'system':14} {'workload':13} {'qps':>5} " + " ".join(f"{k:>15}" for k in keys))
+    for name in running:
+        for workload_name, qps in sorted({(r["workload"], r["qps"]) for r in rows}):
+            cell = [r for r in rows if r["system"] == name and r["workload"] == workload_name and r["qps"] == qps]
+            vals = [np.median([r[k] for r in cell if r.get(k) is not None]) if any(r.get(k) is not None for r in cell)
+                    else float("nan") for k in keys]
+            print(f"{name:14} {workload_name:13} {qps:5.2f} " + " ".join(f"{v:15.3f}" for v in vals))
+    print("capacity (req/s, highest rate meeting the SLO):", capacity, "| startup (s):", startup)
+
+
+if __name__ == "__main__":
+    main()
