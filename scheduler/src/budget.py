@@ -2,28 +2,33 @@
 
 A fixed ``chunk_size`` must be sized for the worst iteration (many decodes over long contexts), so it is too
 small in every other one. ``TokenBudget`` instead asks a step-time predictor, every iteration, how many prefill
-tokens fit next to the decodes already scheduled while the predicted step time stays at most
-``tbt_slo * budget_safety`` seconds:
+tokens fit next to the decodes already scheduled while the predicted step time stays at most ``target``
+seconds:
 
 1. the policy schedules every running decode first (stall-free, as with a fixed budget);
 2. ``prefill_tokens`` grows the prefill part in whole KV blocks (``block_size`` tokens) over the prompts that
    would take it, in the order the policy fills them (prompts mid-prefill, then waiting ones), and returns the
-   largest block multiple whose predicted step fits; never less than ``min_chunk_size`` while a prompt waits,
-   so prefill is never starved by a decode-heavy load; never more than ``max_num_batched_tokens`` in all;
-3. after the step ran, ``observe_output`` feeds the measured step time back: a multiplicative correction, an
-   exponentially weighted average of ``log(measured / predicted)``, scales every later prediction, so a model
-   profiled on a quieter machine still holds the SLO. For a constant ratio the correction approaches it
-   monotonically (no overshoot); single ratios and the correction are clamped to ``CORRECTION_RANGE``.
+   largest block multiple whose predicted step fits (``largest_fitting``: the step time need not grow with the
+   tokens); never less than ``min_chunk_size`` while a prompt waits, so prefill is never starved by a
+   decode-heavy load; never more than ``max_num_batched_tokens`` in all;
+3. after the step ran, ``observe_output`` feeds the measured step time back twice: a multiplicative correction,
+   an exponentially weighted average of ``log(measured / predicted)``, scales every later prediction, so a model
+   profiled on a quieter machine still holds the SLO (for a constant ratio it approaches it monotonically;
+   single ratios and the correction are clamped to ``CORRECTION_RANGE``); and, with ``tbt_percentile`` set,
+   a ``TailController`` moves ``target`` (from ``tbt_slo * budget_safety``, inside ``[TARGET_FLOOR * tbt_slo,
+   tbt_slo]``) so that the ``tbt_percentile``-th percentile of the measured steps the budget sized sits just
+   under ``tbt_slo``: the SLO the user states, not a fixed fraction of it.
 
 The predictor is any object with ``predict_step_time(out: SchedulerOutput) -> float`` (seconds from the
-iteration's start to its end, deterministic, non-decreasing in the prefill tokens); the simulator's profiled
-and roofline cost models are such objects. Torch-free, like the whole scheduler.
+iteration's start to its end, deterministic); the simulator's profiled, roofline and calibrated cost models are
+such objects. Torch-free, like the whole scheduler.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from .config import SchedulerConfig
@@ -35,6 +40,27 @@ CORRECTION_WEIGHT = 0.1
 CORRECTION_RANGE = (0.25, 4.0)
 """Bounds of one observed ``measured / predicted`` ratio and of the correction factor."""
 
+DIP_TOLERANCE = 0.05
+"""How far (a fraction of the target) a predicted step time may fall as prefill tokens grow, for
+``largest_fitting`` to still find the largest fitting budget: a candidate predicted above ``target * (1 +
+DIP_TOLERANCE)`` proves that no larger one fits. Measured all-reduce tables dip by about 2% of a step."""
+MAX_SCAN = 16
+"""Most candidates ``largest_fitting`` evaluates one by one above the binary search's answer."""
+
+TARGET_FLOOR = 0.5
+"""The ``TailController``'s lowest target, a fraction of ``tbt_slo`` (or ``budget_safety``, if lower)."""
+TAIL_SAMPLES = 5
+"""Steps over the percentile per controller window: a window holds ``TAIL_SAMPLES / (1 - percentile/100)``
+steps (500 at P99), and its percentile is its ``TAIL_SAMPLES``-th longest step."""
+DEADBAND = 0.01
+"""The controller holds while its window's percentile is within ``exp(+-DEADBAND)`` of ``tbt_slo * (1 -
+DEADBAND)``, that is in about ``[0.98, 1.0] * tbt_slo``."""
+GAIN = 0.5
+"""Fraction of the window's log error (``log(aim / percentile)``) the controller corrects per window."""
+MAX_STEP_UP, MAX_STEP_DOWN = math.log(1.05), math.log(1.2)
+"""Largest change of ``log(target)`` per window: up by 5%, down by 20% (a tail over the SLO is fixed faster
+than room under it is taken)."""
+
 
 class StepTimePredictor(Protocol):
     def predict_step_time(self, out: SchedulerOutput) -> float:
@@ -42,12 +68,54 @@ class StepTimePredictor(Protocol):
         ...
 
 
+class TailController:
+    """Moves a per-step target (seconds) so that the ``percentile``-th percentile of measured step times meets
+    ``slo``.
+
+    Every ``window`` observed steps (non-overlapping windows, so each sees only steps taken under one target), the
+    window's percentile ``p`` is compared with ``aim = slo * (1 - DEADBAND)``: inside the deadband the target
+    holds; else ``log(target)`` moves by ``GAIN * log(aim / p)``, at most ``MAX_STEP_UP`` up and
+    ``MAX_STEP_DOWN`` down, and stays inside ``[low, slo]``. Why this converges and cannot run away:
+    docs/auto_budget.md ("The target").
+
+    slo: seconds; percentile: in (0, 100); start: the first target (seconds, clamped to the bounds); low: the
+    lowest target (seconds).
+    """
+
+    def __init__(self, slo: float, percentile: float, start: float, low: float) -> None:
+        if not 0 < percentile < 100:
+            raise ValueError(f"percentile={percentile!r} must be in (0, 100)")
+        self.slo = slo
+        self.low = min(low, slo)
+        self.high = slo
+        self.target = min(max(start, self.low), self.high)
+        self.window = math.ceil(TAIL_SAMPLES / (1 - percentile / 100) - 1e-9)
+        self.rank = max(1, round(self.window * (1 - percentile / 100)))
+        self.aim = slo * (1 - DEADBAND)
+        self._steps: list[float] = []
+
+    def observe(self, step_time: float) -> None:
+        """Add one measured step time (seconds); at the end of a window, move the target."""
+        self._steps.append(step_time)
+        if len(self._steps) < self.window:
+            return
+        tail = heapq.nlargest(self.rank, self._steps)[-1]
+        self._steps.clear()
+        error = math.log(self.aim / tail)
+        if abs(error) <= DEADBAND:
+            return
+        change = min(max(GAIN * error, -MAX_STEP_DOWN), MAX_STEP_UP)
+        self.target = min(max(self.target * math.exp(change), self.low), self.high)
+
+
 class TokenBudget:
     """Chooses each iteration's prefill token budget from ``predictor`` so the step meets ``config.tbt_slo``.
 
-    config: a ``SchedulerConfig`` with ``chunk_size="auto"`` (its ``tbt_slo``, ``budget_safety``,
-    ``min_chunk_size``, ``block_size``, ``max_num_batched_tokens`` apply). predictor: see the module docstring.
-    ``correction`` (dimensionless, starts at 1) multiplies every prediction.
+    config: a ``SchedulerConfig`` with ``chunk_size="auto"`` (its ``tbt_slo``, ``tbt_percentile``,
+    ``budget_safety``, ``min_chunk_size``, ``block_size``, ``max_num_batched_tokens`` apply). predictor: see the
+    module docstring. ``correction`` (dimensionless, starts at 1) multiplies every prediction; ``target``
+    (seconds) is the most a corrected predicted step may take: ``tbt_slo * budget_safety`` at first, then, with
+    ``tbt_percentile`` set, what ``controller`` makes of the measured steps (fixed when it is ``None``).
     """
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor) -> None:
@@ -57,11 +125,19 @@ class TokenBudget:
             raise ValueError(f"predictor={predictor!r} has no predict_step_time(SchedulerOutput) method")
         self.predictor = predictor
         self.block_size = config.block_size
-        self.target = config.tbt_slo * config.budget_safety
+        start = config.tbt_slo * config.budget_safety
+        self.controller = None if config.tbt_percentile is None else TailController(
+            config.tbt_slo, config.tbt_percentile, start, config.tbt_slo * min(TARGET_FLOOR, config.budget_safety))
+        self._target = start
         self.min_blocks = math.ceil(config.min_chunk_size / config.block_size)
         self.max_tokens = config.max_num_batched_tokens
         self.correction = 1.0
         self._log_correction = 0.0
+
+    @property
+    def target(self) -> float:
+        """Seconds a corrected predicted step may take now."""
+        return self._target if self.controller is None else self.controller.target
 
     # ------------------------------------------------------------------ choosing the budget
 
@@ -83,14 +159,9 @@ class TokenBudget:
         wanted = sum(n for _, n in candidates)
         lo = self.min_blocks
         hi = max(lo, min(self.max_tokens - out.num_batched_tokens, wanted + bs - 1) // bs)
-        # Largest k in [lo, hi] whose trial batch fits; lo is granted even when it does not.
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.predict(self._trial(out, candidates, mid * bs)) <= self.target:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * bs
+        target = self.target
+        return bs * largest_fitting(lambda k: self.predict(self._trial(out, candidates, k * bs)), lo, hi, target,
+                                    target * (1 + DIP_TOLERANCE))
 
     @staticmethod
     def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int) -> SchedulerOutput:
@@ -107,7 +178,7 @@ class TokenBudget:
             budget -= n
         return trial
 
-    # ------------------------------------------------------------------ online correction
+    # ------------------------------------------------------------------ online correction and target
 
     def observe(self, predicted: float, measured: float) -> None:
         """Fold one iteration's uncorrected ``predicted`` and ``measured`` step times (seconds) into the
@@ -121,6 +192,52 @@ class TokenBudget:
         self.correction = math.exp(self._log_correction)
 
     def observe_output(self, out: SchedulerOutput, measured: float) -> None:
-        """``observe`` the iteration ``out`` that took ``measured`` seconds (skipped for an empty one)."""
-        if not out.is_empty:
-            self.observe(self.predictor.predict_step_time(out), measured)
+        """``observe`` the iteration ``out`` that took ``measured`` seconds (skipped for an empty one), and hand
+        ``measured`` to the ``controller`` when the budget sized that step: it had decodes (whose TBT gap it is)
+        and prefill, and was predicted within the target (not a step the minimum chunk or the decodes alone
+        pushed over it, whose time no target changes)."""
+        if out.is_empty:
+            return
+        predicted = self.predictor.predict_step_time(out)
+        sized = (out.num_decode_tokens > 0 and out.num_prefill_tokens > 0
+                 and predicted * self.correction <= self.target * (1 + 1e-9))
+        self.observe(predicted, measured)
+        if sized and self.controller is not None:
+            self.controller.observe(measured)
+
+
+def largest_fitting(cost: Callable[[int], float], lo: int, hi: int, target: float, bound: float) -> int:
+    """The largest ``k`` in ``[lo, hi]`` with ``cost(k) <= target``, or ``lo`` when none fits.
+
+    ``cost`` need not grow with ``k``: it is exact whenever ``cost`` never falls by more than ``bound - target``
+    beyond a point (``cost(j) > bound`` for some ``j`` then means nothing above ``j`` fits) and at most
+    ``MAX_SCAN`` candidates above the binary search's answer cost between ``target`` and ``bound``; otherwise
+    it returns a fitting ``k`` (or ``lo``), never one that does not fit. A binary search (``cost <= target``:
+    go up, else down; ``cost > bound`` also marks everything above out) then a scan upward from its answer to
+    the lowest point marked out, stopping at the first cost over ``bound``. About ``log2(hi - lo) + 2``
+    evaluations where ``cost`` rises steeply near ``target``, ``MAX_SCAN`` more at most.
+    """
+    if lo >= hi:
+        return lo
+    seen: dict[int, float] = {hi: cost(hi)}
+    if seen[hi] <= target:
+        return hi
+    out = hi if seen[hi] > bound else hi + 1  # the lowest k known to put everything from k up out of reach
+    best, top = lo, hi - 1
+    while best < top:
+        mid = (best + top + 1) // 2
+        seen[mid] = c = cost(mid)
+        if c <= target:
+            best = mid
+        else:
+            top = mid - 1
+            if c > bound:
+                out = min(out, mid)
+    found = best
+    for k in range(best + 1, min(out, best + 1 + MAX_SCAN)):
+        c = seen[k] if k in seen else cost(k)
+        if c > bound:
+            break
+        if c <= target:
+            found = k
+    return found

@@ -28,8 +28,8 @@ class SchedulerConfig:
         ``sarathi_lite.scheduler.policies``).
     chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``),
         or ``"auto"``: each iteration's prefill budget chosen by a step-time predictor so the predicted step
-        takes at most ``tbt_slo * budget_safety`` seconds (``sarathi_lite.scheduler.budget``), with at most
-        ``max_num_batched_tokens`` tokens in all.
+        fits a target (``tbt_slo * budget_safety`` at first, then moved by ``tbt_percentile``; see
+        ``sarathi_lite.scheduler.budget``), with at most ``max_num_batched_tokens`` tokens in all.
     max_num_seqs: most requests running (holding KV blocks) at once; never more than the token budget, so a
         decode-only iteration always fits the budget (see ``max_running``).
     max_num_batched_tokens: the token budget of one iteration for the unchunked policies (``vllm``, ``orca``,
@@ -73,7 +73,12 @@ class SchedulerConfig:
         kept for long prompts beside short ones is then ``min(long_threshold, chunk_size // 4)``).
     tbt_slo: with ``chunk_size="auto"`` (required then, unused otherwise): the time-between-tokens target,
         seconds per iteration.
-    budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take, in (0, 1].
+    tbt_percentile: with ``chunk_size="auto"``: the percentile of time between tokens that ``tbt_slo`` bounds,
+        in (0, 100) (99: P99 TBT <= ``tbt_slo``). The budget's target then moves with the measured steps so that
+        their percentile sits just under ``tbt_slo`` (``budget.TailController``); ``None``: the target stays at
+        ``tbt_slo * budget_safety``.
+    budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take before any
+        step is measured (with ``tbt_percentile=None``, always), in (0, 1].
     min_chunk_size: with ``chunk_size="auto"``: prefill tokens granted every iteration a prompt waits, even
         when the predicted step then exceeds the target (rounded up to whole blocks), so prefill never starves.
     max_concurrent_batches: most batches ``schedule()`` may hand out before the oldest is ``update()``d (pipeline
@@ -130,9 +135,13 @@ class SchedulerConfig:
                 "decodes or short prompts, for TBT under long-context attention (default: no cap)"})
     tbt_slo: float | None = field(default=None, metadata={
         "help": "with chunk_size auto: the time-between-tokens target of every iteration (seconds)"})
+    tbt_percentile: float | None = field(default=99.0, metadata={
+        "help": "with chunk_size auto: the percentile of time between tokens that tbt_slo bounds (99: P99); the "
+                "budget's target follows the measured steps' percentile to just under tbt_slo (None: a fixed "
+                "target, tbt_slo x budget_safety)"})
     budget_safety: float = field(default=0.9, metadata={
-        "help": "with chunk_size auto: the fraction of tbt_slo a predicted step may take (room for the step-to-step "
-                "spread)"})
+        "help": "with chunk_size auto: the fraction of tbt_slo a predicted step may take until steps are measured "
+                "(with tbt_percentile None, always: room for the step-to-step spread)"})
     min_chunk_size: int = field(default=32, metadata={
         "help": "with chunk_size auto: prefill tokens granted every iteration a prompt waits, even past tbt_slo (so "
                 "prompts never starve)"})
@@ -242,6 +251,9 @@ class SchedulerConfig:
         safety = self.budget_safety
         if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not 0 < safety <= 1:
             raise ValueError(f"budget_safety={safety!r} must be in (0, 1]")
+        pct = self.tbt_percentile
+        if pct is not None and (isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct < 100):
+            raise ValueError(f"tbt_percentile={pct!r} must be in (0, 100), or None for a fixed target")
 
 
 def _check_positive_int(name: str, value: object) -> None:
