@@ -214,3 +214,35 @@ def test_auto_budget_with_head_of_line_protection_keeps_decodes_and_the_slo_besi
         assert decoding <= {s.request_id for s in out.scheduled if not s.is_prefill}
         assert cost.predict_step_time(out) <= target or out.num_prefill_tokens <= 32
     assert "long" not in sched.requests
+
+
+@dataclass
+class DippingCost:
+    """step time = base + per_token * batched tokens, less ``dip`` seconds from ``dip_at`` tokens on: a
+    collective that switches to a faster protocol at a size threshold (NCCL's all-reduce does), so a larger
+    batch can be predicted faster than a smaller one."""
+
+    base: float = 0.035
+    per_token: float = 1.25e-5
+    dip_at: int = 1344
+    dip: float = 0.002
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        t = self.base + self.per_token * out.num_batched_tokens
+        return t - self.dip if out.num_batched_tokens >= self.dip_at else t
+
+
+def test_budget_finds_the_largest_fitting_prefill_when_step_time_is_not_monotone() -> None:
+    cost = DippingCost()
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.05, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, enable_prefix_caching=False)
+    budget = TokenBudget(config, cost)
+    prompt = Request("p", [5] * 4000, 4)
+
+    def predicted(tokens: int) -> float:
+        return budget.predict(budget._trial(SchedulerOutput([]), [(prompt, 4000)], tokens))
+
+    fits = [k for k in range(16, 2049, 16) if predicted(k) <= 0.05]
+    # Below the dip, 1200 tokens fit and 1216-1328 do not; past it, 1344 and 1360 fit again.
+    assert max(k for k in fits if k < 1344) == 1200 and max(fits) == 1360
+    assert budget.prefill_tokens(SchedulerOutput([]), [(prompt, 4000)]) == 1360
