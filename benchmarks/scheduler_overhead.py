@@ -14,12 +14,17 @@ switches it off during the timed steps, to show the scheduler's own cost.
 Besides wall time, the CPU time this process spent in the two calls (``time.process_time_ns``) is kept: on a
 machine shared with other jobs it leaves out the time the process waited for a core.
 
+``--chunk-size auto`` runs the chunked policies with the SLO-aware budget (``--cost-model``, ``--tbt-slo``): every
+step's ``schedule()`` then searches the budget with the cost model's predictions, and ``update()`` is followed
+by ``observe(out, predicted step time)`` (the correction and the target's controller), timed with it.
+
 ``--prefix-caching`` turns the prefix cache on (hashing every full block, looking up every admission);
 ``--shared-prefix N`` starts every prompt with the same N tokens (a system prompt), so admissions hit it.
 
     python benchmarks/scheduler_overhead.py                      # 16, 64, 256, 1024 requests; ~1 minute
     python benchmarks/scheduler_overhead.py --concurrency 256 --steps 500 --no-gc --out /tmp/overhead.json
     python benchmarks/scheduler_overhead.py --policies sarathi --concurrency 256 --prefix-caching --shared-prefix 128
+    python benchmarks/scheduler_overhead.py --policies sarathi --concurrency 256 --chunk-size auto
 
 Prints a table (mean and p99 microseconds per step, and mean microseconds per request per step) and writes it,
 with the machine and the settings, as JSON.
@@ -39,7 +44,16 @@ import sys
 import time
 from pathlib import Path
 
-from sarathi_lite.scheduler import POLICIES, Request, Scheduler, SchedulerConfig, make_scheduler
+from sarathi_lite.costs import load_cost_model
+from sarathi_lite.scheduler import (
+    POLICIES,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    StepTimePredictor,
+    chunked_policy_names,
+    make_scheduler,
+)
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
@@ -48,20 +62,24 @@ OUTPUT_LEN = (128, 512)  # uniform, tokens
 TOKEN = 11  # the stand-in model's sampled token (never a stop token)
 
 
-def make(policy: str, concurrency: int, prefix_caching: bool = False) -> Scheduler:
-    """A scheduler with room for ``concurrency`` requests: all of them can hold blocks and decode every step."""
+def make(policy: str, concurrency: int, prefix_caching: bool = False,
+         predictor: StepTimePredictor | None = None, tbt_slo: float | None = None) -> Scheduler:
+    """A scheduler with room for ``concurrency`` requests: all of them can hold blocks and decode every step.
+    With ``predictor`` (and ``tbt_slo``, seconds), a chunked policy runs with ``chunk_size="auto"``."""
     budget = max(512, 2 * concurrency)
     blocks_per_request = -(-(PROMPT_LEN[1] + OUTPUT_LEN[1]) // BLOCK_SIZE)
+    auto = predictor is not None and policy in chunked_policy_names()
     return make_scheduler(SchedulerConfig(
         policy=policy,
-        chunk_size=budget,
+        chunk_size="auto" if auto else budget,
+        tbt_slo=tbt_slo if auto else None,
         max_num_batched_tokens=max(MAX_MODEL_LEN, concurrency * PROMPT_LEN[1]),  # unchunked: admit any backlog
         max_num_seqs=concurrency,
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE,
         num_blocks=concurrency * blocks_per_request,
         enable_prefix_caching=prefix_caching,
-    ))
+    ), predictor if auto else None)
 
 
 def new_request(rng: random.Random, index: int, max_tokens: int | None = None, shared: list[int] = ()
@@ -77,9 +95,11 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def measure(policy: str, concurrency: int, steps: int, warmup: int, seed: int, collect: bool = True,
-            prefix_caching: bool = False, shared_prefix: int = 0) -> dict[str, object]:
+            prefix_caching: bool = False, shared_prefix: int = 0, predictor: StepTimePredictor | None = None,
+            tbt_slo: float | None = None) -> dict[str, object]:
     rng = random.Random(seed)
-    sched = make(policy, concurrency, prefix_caching)
+    sched = make(policy, concurrency, prefix_caching, predictor, tbt_slo)
+    auto = sched.budget is not None
     shared = rng.choices(range(1, 32000), k=shared_prefix)
     added = 0
     # The first requests get spread-out lengths so that they do not all finish together.
@@ -104,6 +124,8 @@ def measure(policy: str, concurrency: int, steps: int, warmup: int, seed: int, c
         c2 = cpu()
         t2 = clock()
         finished = sched.update(out, sampled)
+        if auto:
+            sched.observe(out, predictor.predict_step_time(out))
         t3 = clock()
         c3 = cpu()
         if i >= warmup:
@@ -121,6 +143,7 @@ def measure(policy: str, concurrency: int, steps: int, warmup: int, seed: int, c
     mean_us = statistics.fmean(step_us)
     return {
         "policy": policy,
+        "chunk_size": "auto" if auto else sched.config.chunk_size,
         "concurrency": concurrency,
         "steps": steps,
         "mean_us": mean_us,
@@ -149,8 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-caching", action="store_true", help="enable_prefix_caching=True")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                         help="every prompt starts with the same N tokens")
+    parser.add_argument("--chunk-size", choices=("fixed", "auto"), default="fixed",
+                        help="fixed: max(512, 2 x requests); auto: the SLO-aware budget for the chunked policies")
+    parser.add_argument("--cost-model", default="roofline:h100:llama3-8b", help="with --chunk-size auto")
+    parser.add_argument("--tbt-slo", type=float, default=0.05, help="with --chunk-size auto (seconds)")
     parser.add_argument("--out", type=Path, default=Path("results/scheduler_overhead.json"))
     args = parser.parse_args(argv)
+    predictor = load_cost_model(args.cost_model) if args.chunk_size == "auto" else None
 
     rows = []
     header = (f"{'policy':<16}{'requests':>9}{'mean us':>10}{'p99 us':>10}{'us/request':>12}"
@@ -160,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         for concurrency in args.concurrency:
             r = measure(policy, concurrency, args.steps, args.warmup, args.seed, collect=not args.no_gc,
-                        prefix_caching=args.prefix_caching, shared_prefix=args.shared_prefix)
+                        prefix_caching=args.prefix_caching, shared_prefix=args.shared_prefix,
+                        predictor=predictor, tbt_slo=args.tbt_slo)
             rows.append(r)
             print(f"{policy:<16}{concurrency:>9}{r['mean_us']:>10.1f}{r['p99_us']:>10.1f}{r['per_request_us']:>12.3f}"
                   f"{r['schedule_mean_us']:>10.1f}{r['update_mean_us']:>9.1f}{r['mean_batch_rows']:>8.1f}"
@@ -179,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                      "block_size": BLOCK_SIZE, "prefix_caching": args.prefix_caching,
                      "shared_prefix": args.shared_prefix,
                      "max_model_len": MAX_MODEL_LEN, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
-                     "chunk_size": "max(512, 2 * concurrency)",
+                     "chunk_size": "max(512, 2 * concurrency)" if predictor is None else "auto",
+                     "cost_model": args.cost_model if predictor else None,
+                     "tbt_slo": args.tbt_slo if predictor else None,
                      "max_num_batched_tokens": f"max({MAX_MODEL_LEN}, concurrency * {PROMPT_LEN[1]})"},
         "results": rows,
     }
