@@ -77,8 +77,8 @@ def test_the_budget_learns_a_noisy_machine_and_holds_its_p99_step_under_the_slo(
     correction learns the 1.3 and the controller the spread, from ``budget_safety`` 0.9 down to where the P99
     measured step is just under the SLO."""
     cost = LinearCost()
-    config = SchedulerConfig(chunk_size="auto", tbt_slo=SLO, block_size=16, max_num_seqs=32, num_blocks=8192,
-                             max_model_len=2048, enable_prefix_caching=False)
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=SLO, tbt_percentile=99.0, block_size=16, max_num_seqs=32,
+                             num_blocks=8192, max_model_len=2048, enable_prefix_caching=False)
     sched = make_scheduler(config, cost)
     rng = random.Random(1)
     for i in range(16):
@@ -102,7 +102,7 @@ def test_the_budget_learns_a_noisy_machine_and_holds_its_p99_step_under_the_slo(
 
 
 def test_no_percentile_keeps_the_fixed_target() -> None:
-    config = SchedulerConfig(chunk_size="auto", tbt_slo=SLO, budget_safety=0.8, tbt_percentile=None)
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=SLO, budget_safety=0.8)  # tbt_percentile: None
     budget = TokenBudget(config, LinearCost())
     assert budget.controller is None and budget.target == pytest.approx(0.8 * SLO)
     with pytest.raises(ValueError, match="tbt_percentile=100"):

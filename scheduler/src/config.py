@@ -75,7 +75,8 @@ class SchedulerConfig:
         seconds per iteration.
     tbt_percentile: with ``chunk_size="auto"``: the percentile of time between tokens that ``tbt_slo`` bounds,
         in (0, 100) (99: P99 TBT <= ``tbt_slo``). The budget's target then moves with the measured steps so that
-        their percentile sits just under ``tbt_slo`` (``budget.TailController``); ``None``: the target stays at
+        their percentile sits just under ``tbt_slo`` (``budget.TailController``); ``None`` (the default until the
+        controller sees TBT gaps rather than step times, see docs/auto_budget.md): the target stays at
         ``tbt_slo * budget_safety``.
     budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take before any
         step is measured (with ``tbt_percentile=None``, always), in (0, 1].
@@ -135,7 +136,7 @@ class SchedulerConfig:
                 "decodes or short prompts, for TBT under long-context attention (default: no cap)"})
     tbt_slo: float | None = field(default=None, metadata={
         "help": "with chunk_size auto: the time-between-tokens target of every iteration (seconds)"})
-    tbt_percentile: float | None = field(default=99.0, metadata={
+    tbt_percentile: float | None = field(default=None, metadata={
         "help": "with chunk_size auto: the percentile of time between tokens that tbt_slo bounds (99: P99); the "
                 "budget's target follows the measured steps' percentile to just under tbt_slo (None: a fixed "
                 "target, tbt_slo x budget_safety)"})
