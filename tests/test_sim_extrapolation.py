@@ -112,8 +112,9 @@ def test_the_cost_model_warns_once_when_asked_beyond_what_was_measured():
         warnings.simplefilter("error")
         model.predict(step((), (1024,) * 4))  # once per model
     assert ProfiledCostModel.from_dict(model.to_dict()).measured == model.measured
-    old = ProfiledCostModel((1, 512), (0.05, 1.0))  # a profile saved before the range was recorded
+    old = ProfiledCostModel((1, 512), (0.05, 1.0), meta={"grid": {}})  # a profile saved before the range was kept
     assert old.beyond_measured(batch_terms(step((), (600,)))) == {"tokens": (600, 512)}
+    assert ProfiledCostModel((1, 512), (0.05, 1.0)).beyond_measured(batch_terms(step((), (600,)))) == {}  # by hand
 
 
 def test_validate_reports_the_error_by_step_size_with_each_bins_share_of_the_time():

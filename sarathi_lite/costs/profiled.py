@@ -108,7 +108,8 @@ class ProfiledCostModel(CostModel):
     quantiles (evenly spaced, from the 0th to the 100th percentile) of a step's time over its typical time, as
     measured by the profile's repeated runs; empty: deterministic. measured: the largest value of each of
     ``MEASURED`` in one measured step (tokens; prompt chunks; query x key pairs of prompt chunks); empty: the
-    last knot's tokens only (profiles saved before it was recorded). meta: how it was made (model, machine,
+    last knot's tokens for a profile saved before it was recorded (``meta["grid"]``), no limit for a model
+    built by hand. meta: how it was made (model, machine,
     threads, fit quality), free-form.
 
     ``predict`` warns (once per model) when a simulation asks for a step beyond ``measured``: the token curve and
@@ -169,8 +170,9 @@ class ProfiledCostModel(CostModel):
 
     def beyond_measured(self, row: Sequence[float]) -> dict[str, tuple[float, float]]:
         """For one row of ``batch_terms`` values: each of ``MEASURED`` it exceeds, as ``(its value, the largest
-        measured)``. Without a recorded range, the token count against the last knot."""
-        limits = self.measured or {"tokens": float(self.token_knots[-1])}
+        measured)``. Without a recorded range: for a profile saved before it was recorded (``meta["grid"]``),
+        the token count against the last knot; for a model built by hand, nothing."""
+        limits = self.measured or ({"tokens": float(self.token_knots[-1])} if "grid" in self.meta else {})
         values = dict(zip(("tokens", *TERMS), row))
         return {k: (values[k], v) for k, v in limits.items() if values[k] > v}
 
