@@ -109,8 +109,7 @@ class ProfiledCostModel(CostModel):
     measured by the profile's repeated runs; empty: deterministic. measured: the largest value of each of
     ``MEASURED`` in one measured step (tokens; prompt chunks; query x key pairs of prompt chunks); empty: the
     last knot's tokens for a profile saved before it was recorded (``meta["grid"]``), no limit for a model
-    built by hand. meta: how it was made (model, machine,
-    threads, fit quality), free-form.
+    built by hand. meta: how it was made (model, machine, threads, fit quality), free-form.
 
     ``predict`` warns (once per model) when a simulation asks for a step beyond ``measured``: the token curve and
     the terms are then extrapolated, within ``EXTRAPOLATION_BOUND`` up to its factor and without a bound beyond.
