@@ -10,10 +10,14 @@ and in the same machine conditions as this script.
     python benchmarks/sim_accuracy.py --profile results/sim_accuracy/profile.json --threads 2
 
 For each configuration (``--policies`` x ``--chunk-sizes``) it prints and stores, measured vs predicted: P50 and
-P99 TTFT and TBT, output-token throughput, and their relative errors; plus three diagnostics:
+P99 TTFT and TBT, output-token throughput, and their relative errors; plus these diagnostics:
 
 - ``step err``: the cost model's median relative error on the real run's own batches (its step times measured
-  against the model's prediction for exactly those batches);
+  against the model's prediction for exactly those batches), and ``beyond``: how many of those batches lie
+  beyond the profile's measured range (``ProfiledCostModel.measured``, extrapolated);
+- the same per-step error by step size (``sim --validate``'s table, ``sarathi_lite.sim.validate``), pooled over
+  every configuration: where in the range of step sizes the model errs, and how much of the run's time those
+  steps take;
 - ``replay``: the largest relative error of the same metrics when the simulator replays the real run's measured
   step times (``ReplayCostModel``): zero up to rounding if the event loop is faithful;
 - the machine's speed around each real run: a few reference batches timed just before and just after it, over
@@ -50,6 +54,7 @@ from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 from sarathi_lite.sim import simulator as sim
 from sarathi_lite.sim.cost_model import ReplayCostModel
 from sarathi_lite.sim.profiler import BatchShape, time_outputs
+from sarathi_lite.sim.validate import Validation, validate
 
 METRICS = (  # name, summary key, scale, unit, format
     ("TTFT p50", "ttft_p50", 1.0, "s", "{:.2f}"), ("TTFT p99", "ttft_p99", 1.0, "s", "{:.2f}"),
@@ -78,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--real-from", type=Path, default=None,
                     help="instead of running them, take the real runs from a previous run's --out folder")
     ap.add_argument("--no-jitter", action="store_true", help="simulate the typical step time only")
+    ap.add_argument("--bounds", default="0.10,0.25",
+                    help="comma-separated relative errors: cells within each are counted (against the real mean)")
     ap.add_argument("--out", type=Path, default=Path("results/sim_accuracy"))
     return ap.parse_args()
 
@@ -148,11 +155,13 @@ def compare_runs(real: BenchResult, predicted: BenchResult, replayed: BenchResul
                  ) -> dict[str, Any]:
     r, q = real.summary(), replayed.summary()
     steps = [it.step_time for it in real.stats.iterations]
-    typical = dataclasses.replace(cost, jitter=())
-    step_pred = [typical.predict(o).step_time for o in real_batches(real)]
+    batches = real_batches(real)
+    step_pred = [cost.predict_step_time(o) for o in batches]
     row: dict[str, Any] = {"label": real.label, "iterations_real": len(steps),
                            "iterations_sim": len(predicted.stats.iterations),
                            "step_rel_err_p50": float(np.median(np.abs(np.subtract(step_pred, steps)) / steps)),
+                           "steps_beyond_measured": sum(bool(cost.beyond_measured(batch_terms(o))) for o in batches),
+                           "largest_step": max(o.num_prefill_tokens + o.num_decode_tokens for o in batches),
                            "step_bias": float(np.sum(step_pred) / np.sum(steps) - 1),
                            "replay_max_rel_err": max(abs(rel(q[k], r[k]) or 0.0) for _, k, *_ in METRICS),
                            "load_average_real": real.meta["load_average_start"][0],
@@ -193,7 +202,7 @@ def table(rows: list[dict[str, Any]], names: str = "real / sim", markdown: bool 
     rows have them."""
     diagnostics = "step_rel_err_p50" in rows[0]
     head = ["config"] + [f"{name} {unit} {names}" for name, _, _, unit, _ in METRICS]
-    head += ["step err", "replay"] if diagnostics else []
+    head += ["step err", "beyond", "replay"] if diagnostics else []
     lines = []
     for row in rows:
         cells = [row["label"]]
@@ -201,8 +210,24 @@ def table(rows: list[dict[str, Any]], names: str = "real / sim", markdown: bool 
             m = row["metrics"][key]
             cells.append(f"{fmt.format(m['a'] * scale)} / {fmt.format(m['b'] * scale)} ({100 * m['rel']:+.1f}%)")
         if diagnostics:
-            cells += [f"{100 * row['step_rel_err_p50']:.1f}%", f"{100 * row['replay_max_rel_err']:.0e}%"]
+            cells += [f"{100 * row['step_rel_err_p50']:.1f}%",
+                      f"{row['steps_beyond_measured']} (max {row['largest_step']})",
+                      f"{100 * row['replay_max_rel_err']:.0e}%"]
         lines.append(cells)
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+                         + ["| " + " | ".join(c) + " |" for c in lines])
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+                     for cells in [head] + lines)
+
+
+def size_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    """The per-step error by step size (``Validation.by_size``): one line per bin."""
+    head = ["step tokens", "steps", "largest", "time share", "error p50", "|error| p50", "|error| p90"]
+    lines = [[r["size"], str(r["n"]), str(r["max_tokens"]), f"{100 * r['time_share']:.0f}%",
+              f"{100 * r['error_p50']:+.1f}%", f"{100 * r['abs_error_p50']:.1f}%", f"{100 * r['abs_error_p90']:.1f}%"]
+             for r in rows]
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
                          + ["| " + " | ".join(c) + " |" for c in lines])
@@ -233,6 +258,7 @@ def main() -> None:
         engine = bench.build_engine(args.model, "sarathi", 128)
         real = measure(workload, configs, engine, cost)
     rows, predicted = [], []
+    pooled = Validation("all configurations", 0)
     for r in real:
         c = r.config
         options = {"max_num_seqs": c["max_num_seqs"], "block_size": c["block_size"],
@@ -242,16 +268,23 @@ def main() -> None:
         [q] = sim.run(workload, ReplayCostModel.from_result(r), configs=config, **options)
         [at_speed] = sim.run(workload, scaled(cost, r.meta["speed"]), configs=config, **options)
         predicted.append(p)
+        check = validate(r, cost)
+        pooled.steps += check.steps
         rows.append({**compare_runs(r, p, q, cost), "speed": r.meta["speed"],
-                     "metrics_at_speed": metric_rows(r, at_speed)})
+                     "metrics_at_speed": metric_rows(r, at_speed), "step_error_by_size": check.by_size()})
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    print(f"\n{bench.machine()}; load average {os.getloadavg()[0]:.2f} now; profile {args.profile} "
+    print(f"\n{bench.machine()}; load average {os.getloadavg()[0]:.2f} now; profile {args.profile.name} "
           f"(threads {cost.meta.get('threads')}, load {cost.meta.get('load_average_start', ['?'])[0]})")
     print(table(rows))
+    measured = ", ".join(f"{k} {v:.0f}" for k, v in cost.measured.items()) or f"tokens {cost.token_knots[-1]}"
+    print(f"\nper-step error by step size, every configuration's real steps (error = predicted / measured - 1; "
+          f"profile measured up to {measured} per step)")
+    print(size_table(pooled.by_size()))
     args.out.mkdir(parents=True, exist_ok=True)
     save_results(real, args.out / "real")
     save_results(predicted, args.out / "sim")
-    markdown = table(rows, markdown=True)
+    markdown = table(rows, markdown=True) + "\n\nPer-step error by step size, every configuration's real steps:\n\n" + \
+        size_table(pooled.by_size(), markdown=True)
     repeats: list[dict[str, Any]] = []
     speed_rows = [{"label": row["label"], "metrics": row["metrics_at_speed"]} for row in rows]
     print("\nthe same, with the cost model scaled by the machine's speed measured around each real run "
@@ -268,16 +301,16 @@ def main() -> None:
         print(table(repeats, "run 1 / run 2"))
         markdown += "\n\nRun-to-run variation of the real runs:\n\n" + table(repeats, "run 1 / run 2", markdown=True)
         against_mean = [{"label": p.label, "metrics": mean_rows(a, b, p)} for a, b, p in zip(real, again, predicted)]
-        verdict = within_counts(against_mean, repeats)
+        verdict = "\n".join(within_counts(against_mean, repeats, float(b)) for b in args.bounds.split(","))
         print("\nthe simulation against the mean of the two real runs\n" + table(against_mean, "real mean / sim"))
         print(verdict)
         markdown += ("\n\nThe simulation against the mean of the two real runs:\n\n"
                      + table(against_mean, "real mean / sim", markdown=True) + "\n\n" + verdict)
     record = {"against_mean": against_mean if args.repeat else [],
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": bench.machine(),
-              "profile": str(args.profile), "profile_meta": {k: v for k, v in cost.meta.items() if k != "samples"},
+              "profile": args.profile.name, "profile_meta": {k: v for k, v in cost.meta.items() if k != "samples"},
               "workload": workload.to_dict()["source"], "workload_description": workload.describe(), "rows": rows,
-              "repeat_rows": repeats}
+              "step_error_by_size": pooled.by_size(), "repeat_rows": repeats}
     (args.out / "accuracy.json").write_text(json.dumps(record, indent=1))
     (args.out / "accuracy.md").write_text(markdown + "\n")
     print(f"wrote {args.out / 'accuracy.json'}, {args.out / 'accuracy.md'}")

@@ -24,7 +24,9 @@ def test_profile_fits_and_saves_a_cost_model_the_simulator_uses(tiny_checkpoints
     assert "fit on held_out" in text and "decode_attention" in text
     cost = ProfiledCostModel.load(path)
     assert set(cost.coefficients) == set(TERMS) and min(cost.coefficients.values()) >= 0
-    assert cost.token_knots == (1, 2, 3, 4, 6, 8, 16, 24, 32, 48, 64)
+    # the chunked grid's knots up to --max-tokens, then its steps of whole prompts up to 4x that
+    assert cost.token_knots == (1, 2, 3, 4, 6, 8, 16, 24, 32, 48, 64, 128, 256)
+    assert cost.measured == {"tokens": 256, "prefill_chunks": 8, "prefill_attention": 128 * 128 * 2}
     assert len(cost.jitter) == 21 and cost.jitter[0] < 1 < cost.jitter[-1]  # the spread of single runs
     assert cost.meta["model"] == "llama" and cost.meta["grid"]["quick"] and cost.meta["fit"]["held_out"]["n"] > 0
     assert cost.kv_cache_memory == 256 * 4 * cost.kv_bytes_per_token and cost.max_position_embeddings == 1024
@@ -128,7 +130,7 @@ def test_profile_grid_pins_every_cost_term(quick):
 
     rng = np.random.default_rng(0)
     rows = [batch_terms(s.output(16, 4096, 1000, rng)) for s in profile_grid(quick=quick)]
-    a = design_matrix(rows, grid_knots(rows, 512))
+    a = design_matrix(rows, grid_knots(rows, max(r[0] for r in rows)))
     a /= np.linalg.norm(a, axis=0)
     assert np.linalg.matrix_rank(a) == a.shape[1]
 

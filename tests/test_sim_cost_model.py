@@ -55,10 +55,15 @@ def test_batch_terms_count_tokens_chunks_samples_and_attention_work():
     assert TERMS == ("decode_tokens", "prefill_chunks", "sampled", "prefill_attention", "decode_attention")
 
 
-def test_token_curve_interpolates_between_knots_and_extends_the_last_segment():
+def test_token_curve_interpolates_between_knots_and_extends_the_chord_over_its_top_two_octaves():
     model = ProfiledCostModel((1, 4, 8), (1.0, 4.0, 6.0))
-    assert [model.token_time(t) for t in (0, 1, 2, 4, 6, 8, 12)] == [1.0, 1.0, 2.0, 4.0, 5.0, 6.0, 8.0]
+    assert [model.token_time(t) for t in (0, 1, 2, 4, 6, 8)] == [1.0, 1.0, 2.0, 4.0, 5.0, 6.0]
     assert token_basis(6, (1, 4, 8)) == [0.0, 0.5, 0.5]
+    # above the last knot (8): the chord from the largest knot at or below 8 / 4 (here 1), not the last segment,
+    # whose slope rests on two knots' noise over a base of a quarter of the range
+    assert model.token_time(15) == pytest.approx(6.0 + 7 * 5 / 7)
+    top = ProfiledCostModel((1, 128, 256, 384, 512), (0.1, 0.4, 0.7, 1.0, 1.4))
+    assert top.token_time(1024) == pytest.approx(1.4 + 512 * (1.4 - 0.4) / 384)
     with pytest.raises(ValueError, match="increasing"):
         ProfiledCostModel((4, 1), (1.0, 1.0))
 

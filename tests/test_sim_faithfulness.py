@@ -14,6 +14,7 @@ Against real replays (``sarathi_lite.bench.replay.run``) of a tiny model, every 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 
@@ -199,11 +200,18 @@ def test_validate_rebuilds_every_real_batch_and_groups_the_step_errors(online, t
     assert sum(g["n"] for k, g in groups.items() if k[0] != "all") == groups["all", "all"]["n"]
     ratios = sorted(s.measured / 0.001 for s in sarathi.steps)  # scale: the median measured / predicted
     assert sarathi.scale == pytest.approx(float(np.median(ratios)))
+    # by step size: every step in exactly one bin, by its query tokens
+    its = next(r for r in online if r.config["policy"] == "sarathi").stats.iterations
+    assert [s.tokens for s in sarathi.steps] == [it.num_prefill_tokens + it.num_decode_tokens for it in its]
+    sizes = sarathi.by_size()
+    assert sum(g["n"] for g in sizes) == len(sarathi.steps) and sum(g["time_share"] for g in sizes) == pytest.approx(1)
     path = tmp_path / "run.json"
     online[0].to_json(path)
     assert main(["sim", "--cost-model", "roofline:h100:smollm2-135m", "--validate", str(path),
                  "--out", str(tmp_path)]) == 0
-    assert "decode-only" in capsys.readouterr().out and (tmp_path / "validate_run.json").is_file()
+    text = capsys.readouterr().out
+    assert "decode-only" in text and "step tokens" in text and (tmp_path / "validate_run.json").is_file()
+    assert json.loads((tmp_path / "validate_run.json").read_text())["by_size"]
     simulated = simulate(ONLINE, constant, scheduler_config(online[0]))
     with pytest.raises(ValueError, match="needs a real run"):
         validate(simulated, constant)

@@ -4,7 +4,8 @@ sim: the same workload and comparison flags as ``bench`` (``--policies`` x ``--c
 scheduler-side engine flags, plus ``--cost-model`` (a profile JSON from ``sarathi-lite profile``, or
 ``roofline:HW[:MODEL]``); prints the same table, writes the same JSON/CSV (and with ``--plot`` a PNG).
 ``--capacity`` searches each policy's capacity under ``--tbt-slo`` instead, as ``sarathi-lite capacity`` does;
-``--validate RUN.json`` predicts every iteration of real runs and prints the per-step error by batch kind.
+``--validate RUN.json`` predicts every iteration of real runs and prints the per-step error by batch kind and by
+step size.
 ``--chunk-size auto`` (or ``auto`` among ``--chunk-sizes``) picks every budget from ``--cost-model`` itself.
 profile: time this machine's model runner over a grid of batch shapes and save the fitted cost model
 (``--quick``: about a third of the grid).
@@ -108,7 +109,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     options = engine_options(args)
     model = options.pop("model", None)
     cost = profile(model, quick=args.quick, repeats=args.repeats, max_tokens=args.max_tokens,
-                   max_context=args.max_context, max_decodes=args.max_decodes, seed=args.seed,
+                   max_context=args.max_context, max_decodes=args.max_decodes,
+                   max_step_tokens=args.max_step_tokens, seed=args.seed,
                    progress=not args.no_progress, **options)
     meta = cost.meta
     print(f"{meta['machine']}; load average {meta['load_average_start'][0]:.2f} at start; "
@@ -116,6 +118,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"{'term':<18} {'coefficient':>12}")
     for term, value in cost.coefficients.items():
         print(f"{term:<18} {value:>12.4g}")
+    print("measured up to: " + ", ".join(f"{k} {v:.0f}" for k, v in cost.measured.items()) + " per step")
     print(f"host: schedule {1e6 * cost.schedule_constant:.0f} us + {1e6 * cost.schedule_per_request:.1f} us/request, "
           f"gap between steps {1e6 * cost.step_gap:.0f} us")
     for name, q in meta["fit"].items():
@@ -166,7 +169,7 @@ def add_sim_parsers(sub: Any) -> None:
     v = s.add_argument_group("cost model check (--validate)")
     v.add_argument("--validate", nargs="+", default=None, metavar="RUN.json",
                    help="instead: predict every iteration of these real runs (bench result JSON files) and print "
-                        "the per-step error by batch kind and context")
+                        "the per-step error by batch kind and context, and by step size")
     v.add_argument("--long-context", type=int, default=512,
                    help="with --validate: a batch whose longest context exceeds this (tokens) counts as long")
     g = s.add_argument_group("capacity search (--capacity)")
@@ -185,6 +188,10 @@ def add_sim_parsers(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="largest batch (tokens) in the grid")
     p.add_argument("--max-context", type=int, default=1024, help="longest cached context in the grid (tokens)")
     p.add_argument("--max-decodes", type=int, default=64, help="most decodes in a batch of the grid")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="largest step of several whole prompts in the grid (tokens), as the unchunked policies "
+                        "(vllm, orca) run them (default: 4 x --max-tokens, 2048); a simulation asking for larger "
+                        "steps warns that they are extrapolated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     add_threads_arg(p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import json
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,10 @@ prefill_attention: sum over prompt chunks of ``num_new_tokens * (num_computed_to
 decode_attention: sum over decodes of their context ``num_computed_tokens + 1`` (keys read).
 """
 
+MEASURED = ("tokens", "prefill_chunks", "prefill_attention")
+"""What ``ProfiledCostModel.measured`` bounds: a step's query tokens, its prompt chunks and their query x key pairs
+(the quantities a policy of whole prompts, several at once, drives beyond a grid of chunks)."""
+
 
 def batch_terms(out: SchedulerOutput) -> tuple[int, ...]:
     """``(query tokens, *TERMS)`` of one iteration (see ``TERMS``)."""
@@ -45,14 +50,39 @@ def batch_terms(out: SchedulerOutput) -> tuple[int, ...]:
             attn_dec)
 
 
+EXTRAPOLATION_BASE = 4
+"""Above its last knot K the token curve continues along its chord from the largest knot at or below
+K / ``EXTRAPOLATION_BASE`` to K, not along its last segment: a step far beyond the grid then rests on a slope
+measured over two octaves, whose error (timing noise of two knots over a base of 3K/4 tokens) grows three times
+slower with the distance than the last segment's (base K/4 with knots 1.5x apart)."""
+
+EXTRAPOLATION_BOUND = (3.0, 0.20)
+"""The stated bound on extrapolation: a step of up to 3x the largest measured step's tokens (and prompt chunks)
+is predicted within 20% by a profile fitted on the quick or the full grid, on a synthetic cost curve with this
+engine's shape (its cost per token rising about 5% per doubling of the step) at this VM's timing noise (each
+shape's time off by up to 10%): ``tests/test_sim_extrapolation.py``. ``ProfiledCostModel`` warns beyond what
+was measured."""
+
+
+def extrapolation_anchor(knots: Sequence[int]) -> int:
+    """Index of the knot the token curve's extrapolation above ``knots[-1]`` starts from (``EXTRAPOLATION_BASE``)."""
+    return max(bisect.bisect_right(knots, knots[-1] / EXTRAPOLATION_BASE) - 1, 0)
+
+
 def token_basis(tokens: float, knots: Sequence[int]) -> list[float]:
     """Weights ``w`` with ``g(tokens) = sum(w[j] * g(knots[j]))`` for every ``g`` that is linear between the
-    knots, constant below the first and continues the last segment's slope above the last."""
+    knots, constant below the first and, above the last, continues the chord from the knot at
+    ``extrapolation_anchor`` to the last (``EXTRAPOLATION_BASE``)."""
     w = [0.0] * len(knots)
     if tokens <= knots[0]:
         w[0] = 1.0
         return w
-    j = min(bisect.bisect_left(knots, tokens), len(knots) - 1)  # tokens in (knots[j - 1], knots[j]], or beyond
+    if tokens > knots[-1]:
+        a = extrapolation_anchor(knots)
+        f = (tokens - knots[a]) / (knots[-1] - knots[a])
+        w[a], w[-1] = 1.0 - f, f
+        return w
+    j = bisect.bisect_left(knots, tokens)  # tokens in (knots[j - 1], knots[j]]
     f = (tokens - knots[j - 1]) / (knots[j] - knots[j - 1])
     w[j - 1], w[j] = 1.0 - f, f
     return w
@@ -76,8 +106,13 @@ class ProfiledCostModel(CostModel):
     dozen tokens. coefficients: seconds per unit of each term (missing terms are 0). schedule_constant (s),
     schedule_per_request (s per scheduled request) and step_gap (s, between steps) are host overheads. jitter:
     quantiles (evenly spaced, from the 0th to the 100th percentile) of a step's time over its typical time, as
-    measured by the profile's repeated runs; empty: deterministic. meta: how it was made (model, machine, threads,
-    fit quality), free-form.
+    measured by the profile's repeated runs; empty: deterministic. measured: the largest value of each of
+    ``MEASURED`` in one measured step (tokens; prompt chunks; query x key pairs of prompt chunks); empty: the
+    last knot's tokens for a profile saved before it was recorded (``meta["grid"]``), no limit for a model
+    built by hand. meta: how it was made (model, machine, threads, fit quality), free-form.
+
+    ``predict`` warns (once per model) when a simulation asks for a step beyond ``measured``: the token curve and
+    the terms are then extrapolated, within ``EXTRAPOLATION_BOUND`` up to its factor and without a bound beyond.
     """
 
     token_knots: tuple[int, ...]
@@ -90,9 +125,11 @@ class ProfiledCostModel(CostModel):
     kv_cache_memory: int | None = None
     max_position_embeddings: int | None = None
     jitter: tuple[float, ...] = ()
+    measured: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     _coef: tuple[float, ...] = field(init=False, repr=False)
     _rng: random.Random = field(init=False, repr=False)
+    _warned: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_knots = tuple(int(k) for k in self.token_knots)
@@ -110,8 +147,13 @@ class ProfiledCostModel(CostModel):
         if len(self.jitter) == 1 or any(a > b for a, b in zip(self.jitter, self.jitter[1:])) or \
                 any(q <= 0 for q in self.jitter):
             raise ValueError(f"jitter must be at least two increasing positive quantiles, got {self.jitter}")
+        unknown = set(self.measured) - set(MEASURED)
+        if unknown:
+            raise ValueError(f"unknown measured range(s) {', '.join(sorted(unknown))}; they are {', '.join(MEASURED)}")
+        self.measured = {k: float(v) for k, v in self.measured.items()}
         self._coef = tuple(float(self.coefficients.get(t, 0.0)) for t in TERMS)
         self._rng = random.Random(0)
+        self._warned = False
 
     def token_time(self, tokens: float) -> float:
         """g(tokens): seconds of the dense layers for a batch of ``tokens`` query tokens."""
@@ -125,13 +167,30 @@ class ProfiledCostModel(CostModel):
         """``typical_forward`` of each row of ``batch_terms`` values."""
         return np.array([self.typical_forward(row) for row in terms])
 
+    def beyond_measured(self, row: Sequence[float]) -> dict[str, tuple[float, float]]:
+        """For one row of ``batch_terms`` values: each of ``MEASURED`` it exceeds, as ``(its value, the largest
+        measured)``. Without a recorded range: for a profile saved before it was recorded (``meta["grid"]``),
+        the token count against the last knot; for a model built by hand, nothing."""
+        limits = self.measured or ({"tokens": float(self.token_knots[-1])} if "grid" in self.meta else {})
+        values = dict(zip(("tokens", *TERMS), row))
+        return {k: (values[k], v) for k, v in limits.items() if values[k] > v}
+
     def predict_step_time(self, out: SchedulerOutput) -> float:
         return self.schedule_constant + self.schedule_per_request * len(out.scheduled) + \
             self.typical_forward(batch_terms(out))
 
     def predict(self, out: SchedulerOutput) -> StepTiming:
         sched = self.schedule_constant + self.schedule_per_request * len(out.scheduled)
-        forward = self.typical_forward(batch_terms(out))
+        row = batch_terms(out)
+        forward = self.typical_forward(row)
+        if not self._warned and (beyond := self.beyond_measured(row)):
+            self._warned = True
+            factor, bound = EXTRAPOLATION_BOUND
+            asked = ", ".join(f"{k} {v:.0f} (largest measured {m:.0f})" for k, (v, m) in beyond.items())
+            warnings.warn(f"the simulation asks the profile for a step beyond what was measured: {asked}; its time "
+                          f"is extrapolated (within {100 * bound:.0f}% up to {factor:g}x the measured tokens, "
+                          f"unbounded beyond); profile with a larger --max-step-tokens to measure such steps",
+                          stacklevel=2)
         if self.jitter:  # inverse-CDF draw, linear between the quantiles
             x = self._rng.random() * (len(self.jitter) - 1)
             i = min(int(x), len(self.jitter) - 2)
@@ -152,7 +211,7 @@ class ProfiledCostModel(CostModel):
                 "schedule_constant": self.schedule_constant, "schedule_per_request": self.schedule_per_request,
                 "step_gap": self.step_gap, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "kv_cache_memory": self.kv_cache_memory, "max_position_embeddings": self.max_position_embeddings,
-                "jitter": list(self.jitter), "meta": self.meta}
+                "jitter": list(self.jitter), "measured": self.measured, "meta": self.meta}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -166,7 +225,7 @@ class ProfiledCostModel(CostModel):
             raise ValueError(f"not a {COST_MODEL_SCHEMA} profiled cost model (schema={d.get('schema')!r}, "
                              f"kind={d.get('kind')!r})")
         fields = ("coefficients", "schedule_constant", "schedule_per_request", "step_gap", "kv_bytes_per_token",
-                  "kv_cache_memory", "max_position_embeddings", "jitter", "meta")
+                  "kv_cache_memory", "max_position_embeddings", "jitter", "measured", "meta")
         return cls(d["token_knots"], d["token_times"], **{k: d[k] for k in fields if k in d})
 
     @classmethod

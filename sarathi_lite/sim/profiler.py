@@ -4,7 +4,8 @@
 Three parts, all on one ``LLMEngine`` (needs torch and the model):
 
 1. the grid: decode-only batches (1 to 64 decodes, varied contexts), prompt-chunk-only batches (one or two chunks
-   of varied size and cached context) and hybrids, built directly as ``SchedulerOutput``s on the engine's KV pool
+   of varied size and cached context), hybrids, and steps of several whole prompts up to 2,048 tokens (what the
+   unchunked policies run), built directly as ``SchedulerOutput``s on the engine's KV pool
    (its contents do not matter for timing); after one warm-up run of the largest, all are run in ``repeats``
    passes and each batch's median time of ``ModelRunner.execute`` counts;
 2. the fit: the token curve at ``token_knots`` up to the largest batch, and the ``TERMS`` coefficients, by
@@ -34,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sarathi_lite.bench.replay import BatchShape, build_engine, machine, warm_up
-from sarathi_lite.costs.profiled import TERMS, ProfiledCostModel, batch_terms
+from sarathi_lite.costs.profiled import MEASURED, TERMS, ProfiledCostModel, batch_terms
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import Request, SchedulerConfig, SchedulerOutput, make_scheduler
@@ -51,12 +52,14 @@ CALIBRATION_CHUNK_SIZE = 128
 
 
 def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes: int = 64, quick: bool = False,
-                 seed: int = 0) -> list[BatchShape]:
+                 max_step_tokens: int | None = None, seed: int = 0) -> list[BatchShape]:
     """Batch shapes covering what serving runs up to ``max_tokens`` tokens per step, ``max_context`` cached
     tokens per request and ``max_decodes`` decodes, in a seeded random order: decode-only batches (twice each
     ``token_knots`` size up to ``max_decodes``, contexts drawn up to a small, medium or full cap), chunk-only
     batches (each knot from 16 to ``max_tokens``, as one chunk and as two; cached context 0 or drawn) and hybrids
-    (twice per knot: a random number of decodes plus one or two chunks filling it).
+    (twice per knot: a random number of decodes plus one or two chunks filling it); then the whole-prompt steps
+    (``whole_prompt_shapes``) up to ``max_step_tokens`` (default ``4 * max_tokens``: 2,048, vLLM's default
+    budget for a step of whole prompts).
 
     quick (for a notebook or CI): fewer shapes, but the same corners, placed rather than drawn, since with about
     as many shapes as fitted values a random draw that misses a corner leaves its term to extrapolation: decode-only
@@ -68,8 +71,10 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
     rng = np.random.default_rng(seed)
     caps = (max(max_context // 16, 1), max(max_context // 4, 1), max_context)
     budgets = [b for b in token_knots(max_tokens) if b >= 16]
+    whole = whole_prompt_shapes(max_tokens, 4 * max_tokens if max_step_tokens is None else max_step_tokens, quick)
     if quick:
-        return _quick_grid(budgets, max_context, max_decodes, caps, rng)
+        shapes = _quick_grid(budgets, max_context, max_decodes, caps, rng) + whole
+        return [shapes[i] for i in rng.permutation(len(shapes))]
 
     def contexts(n: int) -> tuple[int, ...]:
         return tuple(int(c) for c in rng.integers(1, caps[rng.integers(3)] + 1, n))
@@ -86,12 +91,39 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
         rest = budget - n
         parts = (chunk(rest),) if rng.random() < 0.7 or rest < 2 else (chunk(rest // 2), chunk(rest - rest // 2))
         shapes.append(BatchShape(contexts(n), parts))
+    shapes += whole
     return [shapes[i] for i in rng.permutation(len(shapes))]
+
+
+def whole_prompt_shapes(max_tokens: int, max_step_tokens: int, quick: bool = False) -> list[BatchShape]:
+    """The steps of the unchunked policies (``vllm``, ``orca``): several whole prompts at once (no cached
+    context, each sampling), thousands of tokens, beyond the chunked grid's ``max_tokens``. At each size from
+    ``2 * max_tokens`` doubling up to ``max_step_tokens`` (and ``max_step_tokens`` itself): prompts of
+    ``2 * max_tokens`` tokens (a long prompt; one at the smallest size), and prompts of ``max_tokens // 2``
+    (several short ones); the full grid adds prompts of ``max_tokens``. Two prompt counts at one size pin the
+    token curve there apart from the per-chunk and per-sample terms, which no chunked shape (one or two chunks)
+    separates. Empty when ``max_step_tokens <= max_tokens``."""
+    sizes = []
+    size = 2 * max_tokens
+    while size < max_step_tokens:
+        sizes.append(size)
+        size *= 2
+    if max_step_tokens > max_tokens:
+        sizes.append(max_step_tokens)
+    lengths = (2 * max_tokens, max(max_tokens // 2, 1)) if quick else (2 * max_tokens, max_tokens,
+                                                                        max(max_tokens // 2, 1))
+    shapes = []
+    for size in sizes:
+        for length in sorted({min(length, size) for length in lengths}, reverse=True):
+            n, rest = divmod(size, length)
+            prompts = [length] * n + ([rest] if rest else [])
+            shapes.append(BatchShape((), tuple((0, p, True) for p in prompts)))
+    return shapes
 
 
 def _quick_grid(budgets: Sequence[int], max_context: int, max_decodes: int, caps: Sequence[int],
                 rng: np.random.Generator) -> list[BatchShape]:
-    """``profile_grid(quick=True)``'s shapes, in a seeded random order."""
+    """``profile_grid(quick=True)``'s chunked shapes (contexts drawn from ``rng``)."""
     def contexts(n: int, cap: int) -> tuple[int, ...]:
         return tuple(int(c) for c in rng.integers(max(cap // 2, 1), cap + 1, n))
 
@@ -102,7 +134,7 @@ def _quick_grid(budgets: Sequence[int], max_context: int, max_decodes: int, caps
     for i, budget in enumerate(budgets):
         n = min(max_decodes, budget // 2)
         shapes.append(BatchShape(contexts(n, max_context), ((max_context, budget - n, bool(i % 2)),)))
-    return [shapes[i] for i in rng.permutation(len(shapes))]
+    return shapes
 
 
 def token_knots(limit: int) -> list[int]:
@@ -251,13 +283,23 @@ def grid_knots(terms: Sequence[Sequence[float]], max_tokens: int) -> list[int]:
     return sorted(set(token_knots(max_tokens)) & {t[0] for t in terms})
 
 
+def measured_range(terms: Sequence[Sequence[float]]) -> dict[str, float]:
+    """``ProfiledCostModel.measured`` of a grid: the largest of each of ``MEASURED`` over its rows of
+    ``batch_terms`` values."""
+    columns = dict(zip(("tokens", *TERMS), zip(*terms)))
+    return {k: float(max(columns[k])) for k in MEASURED}
+
+
 def fit_grid(engine: LLMEngine, shapes: Sequence[BatchShape], terms: Sequence[Sequence[float]],
              runs: Sequence[Sequence[float]], calibration: Calibration, max_tokens: int
              ) -> tuple[ProfiledCostModel, dict[str, Any]]:
     """``fit_cost_model`` on one grid's timed batches (``terms``: each batch's ``batch_terms``; ``runs``: seconds
-    of its repeats), with the engine's KV pool and context length recorded in the model (the simulator sizes
-    its pool from them)."""
-    cost, quality = fit_cost_model(terms, runs, holdout(shapes), grid_knots(terms, max_tokens), calibration)
+    of its repeats), with knots up to the larger of ``max_tokens`` and the grid's largest step, the measured
+    range, and the engine's KV pool and context length recorded in the model (the simulator sizes its pool
+    from them)."""
+    limit = max(max_tokens, *(int(t[0]) for t in terms))
+    cost, quality = fit_cost_model(terms, runs, holdout(shapes), grid_knots(terms, limit), calibration)
+    cost.measured = measured_range(terms)
     cfg = engine.scheduler_config
     per_token = engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
     cost.kv_bytes_per_token = per_token
@@ -267,20 +309,20 @@ def fit_grid(engine: LLMEngine, shapes: Sequence[BatchShape], terms: Sequence[Se
 
 
 def profile(model: str | Path | None = None, *, quick: bool = False, repeats: int = 3, max_tokens: int = 512,
-            max_context: int = 1024, max_decodes: int = 64, seed: int = 0, progress: bool = True,
-            engine: LLMEngine | None = None, **engine_options: Any) -> ProfiledCostModel:
+            max_context: int = 1024, max_decodes: int = 64, max_step_tokens: int | None = None, seed: int = 0,
+            progress: bool = True, engine: LLMEngine | None = None, **engine_options: Any) -> ProfiledCostModel:
     """Profile ``model`` (or ``engine``'s loaded weights) on this machine and return the fitted cost model.
 
-    quick, max_tokens, max_context, max_decodes, seed: the grid (``profile_grid``). repeats: timed runs per
-    shape (the median counts). engine_options: as for ``LLMEngine`` (``dtype``, ``device``, ``block_size``,
-    ``num_kv_blocks``, ...); the simulator later derives the same KV pool from the saved model.
+    quick, max_tokens, max_context, max_decodes, max_step_tokens, seed: the grid (``profile_grid``). repeats:
+    timed runs per shape (the median counts). engine_options: as for ``LLMEngine`` (``dtype``, ``device``,
+    ``block_size``, ``num_kv_blocks``, ...); the simulator later derives the same KV pool from the saved model.
     """
     wall = time.perf_counter()
     load_start = os.getloadavg()
     engine = build_engine(model, "sarathi", CALIBRATION_CHUNK_SIZE, engine, **engine_options)
     warm_up(engine)
     shapes = profile_grid(max_tokens=max_tokens, max_context=max_context, max_decodes=max_decodes, quick=quick,
-                          seed=seed)
+                          max_step_tokens=max_step_tokens, seed=seed)
     outputs = grid_outputs(engine, shapes, seed)
     terms = [batch_terms(o) for o in outputs]
     runs = time_outputs(engine, outputs, repeats=repeats, progress=progress)
@@ -292,7 +334,8 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
                  "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": list(load_start),
                  "load_average_end": list(os.getloadavg()), "wall_time": time.perf_counter() - wall,
                  "grid": {"shapes": len(shapes), "repeats": repeats, "max_tokens": max_tokens,
-                          "max_context": max_context, "max_decodes": max_decodes, "quick": quick, "seed": seed},
+                          "max_context": max_context, "max_decodes": max_decodes,
+                          "max_step_tokens": int(cost.measured["tokens"]), "quick": quick, "seed": seed},
                  "fit": quality,
                  "samples": [{"terms": dict(zip(("tokens", *TERMS), t)), "runs": r} for t, r in zip(terms, runs)]}
     return cost

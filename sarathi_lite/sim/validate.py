@@ -6,7 +6,9 @@ its configuration with a ``ReplayCostModel`` of its own timeline (the simulator 
 decisions, ``tests/test_sim_faithfulness.py``), so every recorded iteration gets its ``SchedulerOutput`` with
 each request's context; the cost model predicts each one's typical step time (``predict_step_time``) and the
 relative error ``predicted / measured - 1`` is grouped by batch kind (decode-only, chunk-only, hybrid) and by
-context (short, or long: some request's context above ``long_context`` tokens).
+context (short, or long: some request's context above ``long_context`` tokens), and by step size (query tokens,
+in the bins of ``STEP_SIZES``): a cost model that is right on the steps it was profiled on and wrong beyond shows
+as one bad row of the second table, with the share of the run's time those steps take.
 
 A machine shared with other work runs slower than when it was profiled, by a factor that drifts; the
 ``chunk_size="auto"`` budget corrects for it online. So besides the raw error, each group reports the error
@@ -31,6 +33,18 @@ from sarathi_lite.sim.simulator import simulate
 
 KINDS = ("decode-only", "chunk-only", "hybrid")
 DEFAULT_LONG_CONTEXT = 512
+STEP_SIZES = (16, 64, 256, 512, 1024, 2048)
+"""Upper edges (query tokens, inclusive) of the step-size bins of ``Validation.by_size``; one more bin above."""
+
+
+def size_bin(tokens: int) -> str:
+    """The ``STEP_SIZES`` bin of a step of ``tokens`` query tokens: ``"1-16"``, ``"17-64"``, ..., ``">2048"``."""
+    low = 1
+    for edge in STEP_SIZES:
+        if tokens <= edge:
+            return f"{low}-{edge}"
+        low = edge + 1
+    return f">{STEP_SIZES[-1]}"
 
 
 class _RecordingReplay(ReplayCostModel):
@@ -47,12 +61,14 @@ class _RecordingReplay(ReplayCostModel):
 
 @dataclass(slots=True)
 class StepError:
-    """One iteration: its kind, whether its context is long, and the predicted and measured step times (s)."""
+    """One iteration: its kind, whether its context is long, and the predicted and measured step times (s);
+    tokens: its query tokens."""
 
     kind: str
     long: bool
     predicted: float
     measured: float
+    tokens: int = 0
 
     @property
     def error(self) -> float:
@@ -96,20 +112,47 @@ class Validation:
                          "scaled_abs_error_p50": float(np.median(np.abs(scaled)))})
         return rows
 
+    def by_size(self) -> list[dict[str, Any]]:
+        """Per step-size bin (``size_bin``) that has steps, smallest first: ``size``, ``n``, the largest step's
+        ``max_tokens``, ``time_share`` (its steps' share of the run's measured step time), median signed error,
+        median and p90 absolute error, and median signed error after ``scale``."""
+        scale = self.scale
+        total = sum(s.measured for s in self.steps) or 1.0
+        bins = [size_bin(1)] + [size_bin(e + 1) for e in STEP_SIZES]
+        rows = []
+        for name in bins:
+            mine = [s for s in self.steps if size_bin(s.tokens) == name]
+            if not mine:
+                continue
+            errs = np.array([s.error for s in mine])
+            rows.append({"size": name, "n": len(mine), "max_tokens": max(s.tokens for s in mine),
+                         "time_share": sum(s.measured for s in mine) / total, "error_p50": float(np.median(errs)),
+                         "abs_error_p50": float(np.median(np.abs(errs))),
+                         "abs_error_p90": float(np.percentile(np.abs(errs), 90)),
+                         "scaled_error_p50": float(np.median([s.scaled_error(scale) for s in mine]))})
+        return rows
+
     def table(self) -> str:
+        """The error by batch kind and context, then by step size."""
         lines = [f"{'batch kind':<12} {'context':<7} {'steps':>6} {'error p50':>9} {'|error| p50':>11} "
                  f"{'|error| p90':>11}   after scale {self.scale:.2f}: {'error p50':>9} {'|error| p50':>11}"]
         for g in self.groups():
             lines.append(f"{g['kind']:<12} {g['context']:<7} {g['n']:>6} {100 * g['error_p50']:>8.1f}% "
                          f"{100 * g['abs_error_p50']:>10.1f}% {100 * g['abs_error_p90']:>10.1f}%   "
                          f"{'':>17} {100 * g['scaled_error_p50']:>8.1f}% {100 * g['scaled_abs_error_p50']:>10.1f}%")
+        lines += ["", f"{'step tokens':<12} {'steps':>6} {'time':>6} {'error p50':>9} {'|error| p50':>11} "
+                      f"{'|error| p90':>11}   after scale: {'error p50':>9}"]
+        for g in self.by_size():
+            lines.append(f"{g['size']:<12} {g['n']:>6} {100 * g['time_share']:>5.0f}% {100 * g['error_p50']:>8.1f}% "
+                         f"{100 * g['abs_error_p50']:>10.1f}% {100 * g['abs_error_p90']:>10.1f}%   "
+                         f"{'':>12} {100 * g['scaled_error_p50']:>8.1f}%")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "long_context": self.long_context, "unmatched": self.unmatched,
-                "scale": self.scale, "groups": self.groups(),
-                "steps": [{"kind": s.kind, "long": s.long, "predicted": s.predicted, "measured": s.measured}
-                          for s in self.steps]}
+                "scale": self.scale, "groups": self.groups(), "by_size": self.by_size(),
+                "steps": [{"kind": s.kind, "long": s.long, "tokens": s.tokens, "predicted": s.predicted,
+                           "measured": s.measured} for s in self.steps]}
 
 
 def batch_kind(out: SchedulerOutput) -> str:
@@ -146,7 +189,8 @@ def validate(result: BenchResult, cost_model: CostModel, *, long_context: int = 
             out.unmatched += 1
             continue
         long = max(s.num_computed_tokens + s.num_new_tokens for s in batch.scheduled) > long_context
-        out.steps.append(StepError(batch_kind(batch), long, cost_model.predict_step_time(batch), record.step_time))
+        out.steps.append(StepError(batch_kind(batch), long, cost_model.predict_step_time(batch), record.step_time,
+                                   batch.num_prefill_tokens + batch.num_decode_tokens))
     out.unmatched += max(len(result.stats.iterations) - len(replay.outputs), 0)
     return out
 
