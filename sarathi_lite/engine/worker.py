@@ -316,8 +316,8 @@ class WorkerGroup:
                 banned: Mapping[str, Sequence[int]], history: Mapping[str, History] | None = None
                 ) -> StepResult | Callable[[], StepResult]:
         """Send ``out`` to the workers, then run rank 0's share of the forward pass and sample (``banned``,
-        ``history``: as ``ModelRunner.execute``'s). With pipeline stages: send it down the pipeline and return a function that
-        waits for its logits and samples them (call them in the order of ``execute``)."""
+        ``history``: as ``ModelRunner.execute``'s). With pipeline stages: send it down the pipeline and return a
+        function that waits for its logits and samples them (call them in the order of ``execute``)."""
         self.check_alive()
         self.busy = True
         if self.pp is not None:
