@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
 
+IDLE_HEALTH_CHECK_S = 1.0  # how often an idle engine loop calls the engine's check_health (seconds)
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -68,7 +70,9 @@ class AsyncLLMEngine:
     no bound. retry_after: the wait (seconds) ``QueueFullError`` suggests.
 
     A step that fails ends only its own requests (``finish_reason="error"``, see ``LLMEngine.step``); only a
-    broken device or worker (``EngineDeadError``) stops the loop, and then ``dead_reason`` says why.
+    broken device or worker (``EngineDeadError``) stops the loop, and then ``dead_reason`` says why. While idle,
+    the loop calls the engine's ``check_health()`` (if it has one) every ``IDLE_HEALTH_CHECK_S`` seconds, so a
+    lost worker or instance is noticed without traffic.
     """
 
     def __init__(self, engine: LLMEngine, on_step: StepListener | None = None,
@@ -188,17 +192,25 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        check_health = getattr(engine, "check_health", None)
         torch.set_num_threads(self._num_threads)
         try:
             while True:
+                idle = False
                 with self._lock:
                     while not self._commands and not self._stopping and not engine.has_unfinished_requests():
-                        self._wake.wait()
+                        if not self._wake.wait(IDLE_HEALTH_CHECK_S):
+                            idle = True
+                            break
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, []
                     self._num_waiting += self._num_adds  # until _apply says how many it queued
                     self._num_adds = 0
+                if idle and not commands:
+                    if check_health is not None:  # a lost worker or instance is noticed without traffic too
+                        check_health()
+                    continue
                 self._apply(commands)
                 self._num_waiting = engine.snapshot().num_waiting
                 if engine.has_unfinished_requests():

@@ -73,12 +73,21 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, config: S
     install_error_handlers(app)
     app.add_middleware(Limits, config=config)
 
+    states = getattr(engine, "instance_states", None)
+
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> dict[str, Any]:
+        """200 ``{"status": "ok"}`` while the engine runs; with instances (``--instances``) also their count per
+        role and state, and ``"degraded"`` once one is lost. 503 naming why once the engine cannot serve."""
+        instances = None if states is None else states()
         if not aengine.is_running:
-            raise APIError(503, f"the engine is not running: {aengine.dead_reason}", type="server_error",
+            detail = "" if instances is None else f" (instances: {json.dumps(instances)})"
+            raise APIError(503, f"the engine is not running: {aengine.dead_reason}{detail}", type="server_error",
                            code="engine_dead")
-        return {"status": "ok"}
+        if instances is None:
+            return {"status": "ok"}
+        lost = any(s["lost"] or s["stopped"] for s in instances.values())
+        return {"status": "degraded" if lost else "ok", "instances": instances}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
