@@ -128,18 +128,19 @@ class AsyncLLMEngine:
         return self.engine.snapshot()
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                          request_id: str | None = None) -> RequestStream:
+                          request_id: str | None = None, admitted: bool = False) -> RequestStream:
         """Queue a request; once the engine thread accepted it, return the stream of its step outputs.
 
         Raises ``ValueError`` for bad input, as ``LLMEngine.add_request`` does, ``QueueFullError`` when
-        ``max_waiting_requests`` requests wait already, and ``EngineDeadError`` if the engine loop stopped.
+        ``max_waiting_requests`` requests wait already (unless ``admitted``: a further completion of a request
+        that was let in, e.g. the second of ``n``), and ``EngineDeadError`` if the engine loop stopped.
         Iterate the stream to its end or ``aclose()`` it: closing or cancelling aborts.
         """
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
-        self._submit(_Add(request_id, prompt, params or SamplingParams(), stream, accepted))
+        self._submit(_Add(request_id, prompt, params or SamplingParams(), stream, accepted), admitted)
         try:
             await accepted
         except asyncio.CancelledError:
@@ -175,12 +176,12 @@ class AsyncLLMEngine:
             self._wake.notify()
         self._thread.join(timeout)
 
-    def _submit(self, add: _Add) -> None:
+    def _submit(self, add: _Add, admitted: bool = False) -> None:
         with self._lock:
             if self._error is not None or self._stopping:
                 raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
             bound = self.max_waiting_requests
-            if bound is not None and self._num_adds + self._num_waiting >= bound:
+            if bound is not None and not admitted and self._num_adds + self._num_waiting >= bound:
                 raise QueueFullError(f"the server is busy: {bound} requests are already waiting "
                                      f"(max_waiting_requests); retry after {self.retry_after:g} s",
                                      self.retry_after)

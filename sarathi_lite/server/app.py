@@ -350,7 +350,8 @@ class _Choices:
                 raise ValueError(f"prompt[{i}]: {e}") from e
 
     async def _add(self, i: int, k: int) -> None:
-        stream = await self.aengine.add_request(self.token_ids[i], self.children[i][k], self.ids[i][k])
+        stream = await self.aengine.add_request(self.token_ids[i], self.children[i][k], self.ids[i][k],
+                                                admitted=i > 0 or k > 0)  # counted once against the bound
         self._streams.append(stream)
         self._tasks.append(asyncio.ensure_future(self._pump(i, k, stream)))
 
