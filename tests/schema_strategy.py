@@ -61,6 +61,10 @@ def from_schema(schema: dict[str, Any], root: dict[str, Any]) -> st.SearchStrate
     if kind == "object" or "properties" in schema:
         props = schema.get("properties", {})
         required = set(schema.get("required", ()))
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict) and not props:  # a map (logit_bias): keys mostly token ids, as clients send
+            keys = st.one_of(st.integers(0, 400).map(str), st.integers(0, 400).map(str), st.text(max_size=4))
+            return st.dictionaries(keys, from_schema(extra, root), max_size=4)
         return st.fixed_dictionaries({k: from_schema(v, root) for k, v in props.items() if k in required},
                                      optional={k: from_schema(v, root) for k, v in props.items()
                                                if k not in required})

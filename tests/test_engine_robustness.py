@@ -74,8 +74,13 @@ def test_requests_that_used_to_fail_in_the_sampler_are_rejected_naming_the_field
 def test_the_largest_accepted_values_run(llm):
     params = SamplingParams(max_tokens=2**63 - 1, temperature=MIN_TEMPERATURE, top_k=2**31 - 1, seed=2**64 - 1,
                             logprobs=VOCAB, min_tokens=3, stop_token_ids=[VOCAB - 1])
-    out = llm.generate([5, 6, 7], params, use_tqdm=False)[0]
+    # the step API runs it to the end of the context; LLM.generate, like the server, refuses a max_tokens the
+    # context cannot hold (prompts.check_context)
+    llm.engine.add_request("largest", [5, 6, 7], params)
+    out = run_all(llm.engine)["largest"]
     assert out.finish_reason in ("stop", "length") and out.num_output_tokens >= 3
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 3 prompt tokens \+ max_tokens=9223372036854775807"):
+        llm.generate([5, 6, 7], params, use_tqdm=False)
     assert all(len(top) == VOCAB for _, top in out.logprobs)
     # the smallest temperature behaves as (almost) greedy: no overflow into token 0 over and over
     near = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=MIN_TEMPERATURE, seed=1,

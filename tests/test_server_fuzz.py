@@ -2,7 +2,9 @@
 each POST route's request schema, and mutations of them (a field replaced by any JSON value, a required field
 dropped, strings with lone surrogates). Properties: never a 5xx, every error in OpenAI's shape, and the engine
 still serves a normal request after each example. Bounded: a short context (every drawn request finishes in a
-few dozen tiny steps) and a fixed number of examples."""
+few dozen tiny steps) and a fixed number of examples. The fields added for OpenAI compatibility (``n``,
+``best_of``, penalties, ``logit_bias``, ``echo``, several prompts) are drawn from the schema like the others, and
+also injected together with a prompt that runs, so they reach the engine."""
 
 from __future__ import annotations
 
@@ -25,6 +27,17 @@ EXAMPLES = 100  # per route
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                   max_size=3), max_leaves=6)
+# the OpenAI fields added for compatibility, drawn around their edges, with a prompt that runs: so they reach the
+# engine together (several prompts, n, best_of, penalties, logit_bias, echo) and not only the validation
+NEW_FIELDS = st.fixed_dictionaries({}, optional={
+    "n": st.integers(1, 4), "best_of": st.integers(1, 5), "echo": st.booleans(), "stream": st.booleans(),
+    "presence_penalty": st.sampled_from([-2.0, -0.5, 0, 1.5, 2]),
+    "frequency_penalty": st.sampled_from([-2, 0.0, 0.3, 2.0]),
+    "repetition_penalty": st.sampled_from([0.01, 0.5, 1, 1.7, 100.0]),
+    "logit_bias": st.dictionaries(st.integers(0, TINY["vocab_size"] - 1).map(str),
+                                  st.sampled_from([-100, -1.5, 0, 2.0, 100]), max_size=3),
+    "prompt": st.sampled_from([["a", "b"], [[5, 6], [7]], "hello", [[5] * 30, [6]]]),
+    "temperature": st.sampled_from([0, 0.7]), "seed": st.integers(0, 5), "max_tokens": st.integers(1, 6)})
 SURROGATE_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=3),
                            st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3))
 
@@ -47,11 +60,19 @@ def mutated(draw, valid: st.SearchStrategy) -> dict:
     """A body valid per the schema, then often broken in one place."""
     body = draw(valid)
     body["model"] = draw(st.sampled_from([MODEL, MODEL, MODEL, body.get("model", MODEL)]))
-    how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "replace", "drop", "surrogate"]))
+    how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "new_fields", "new_fields", "replace",
+                                "drop", "surrogate"]))
     keys = sorted(body)
     if how == "runnable":  # a prompt the engine takes, so the other fields reach it more often
         body["prompt" if "prompt" in body else "messages"] = draw(st.sampled_from(
             ["hello", [5, 6, 7], ["hi"], [[8, 9]]] if "prompt" in body else [[{"role": "user", "content": "hi"}]]))
+    elif how == "new_fields":
+        extra = draw(NEW_FIELDS)
+        if "prompt" not in body:  # chat: a conversation instead of prompts, and no echo
+            extra.pop("echo", None)
+            extra["messages"] = [{"role": "user", "content": "hi"}]
+            extra.pop("prompt", None)
+        body.update(extra)
     elif how == "replace" and keys:
         body[draw(st.sampled_from(keys))] = draw(JSON)
     elif how == "drop" and keys:
@@ -71,7 +92,12 @@ def check_route(url: str, route: str, body: dict) -> int:
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), r.text
     else:
-        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
+        choices = r.json()["choices"]
+        assert all(c["finish_reason"] in ("stop", "length") for c in choices), r.text
+        prompt = body.get("prompt")
+        several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        expected = (len(prompt) if several else 1) * body.get("n", 1)
+        assert [c["index"] for c in choices] == list(range(expected)), r.text
     ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2,
                                                    "ignore_eos": True}, timeout=90)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2, ok.text

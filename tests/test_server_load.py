@@ -1,6 +1,7 @@
 """Load and fault tests of ``sarathi-lite serve`` as a real process on a free loopback port, bounded in requests
 and time: killing the server mid-stream leaves every client with an error rather than a hang, and the server's
-RSS stays flat over 1,000 mixed requests (a third cancelled mid-stream, some rejected by the queue bound)."""
+RSS stays flat over 1,000 mixed requests (a third cancelled mid-stream, some rejected by the queue bound, some
+with several completions, penalties and biases, or several echoed prompts)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,14 @@ def test_rss_stays_flat_over_1000_mixed_requests(checkpoint):
 
     async def one(http: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL, "prompt": [5 + i % 200, 6, 7] * (1 + i % 5), "max_tokens": 6, "ignore_eos": True}
+        tokens = 6
+        if i % 5 == 1:  # the OpenAI fields: several completions sharing a prompt, penalties, a bias
+            body.update(n=2, temperature=0.8, seed=i, presence_penalty=0.5, frequency_penalty=0.3,
+                        repetition_penalty=1.2, logit_bias={str(i % 300): 2.0})
+            tokens = 12
+        elif i % 5 == 2:  # several prompts in one request, echoed
+            body.update(prompt=[body["prompt"], [9, 8, 7]], echo=True)
+            tokens = 12
         if i % 3 == 0:  # a third leave mid-stream
             async with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
                 if r.status_code == 503:
@@ -113,7 +122,7 @@ def test_rss_stays_flat_over_1000_mixed_requests(checkpoint):
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
             counts["rejected"] += 1
             return
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == tokens, r.text
         counts["ok"] += 1
 
     async def run(first: int, count: int, concurrency: int = 48) -> None:

@@ -23,7 +23,7 @@ from .flashinfer_attention import FlashInferAttention
 from .metadata import AttentionMetadata, build_attention_metadata, scattered_block_tables
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import RotaryEmbedding, rope_inv_freq
-from .sampling import compute_logprobs, sample
+from .sampling import apply_logit_bias, apply_penalties, compute_logprobs, sample
 from .torch_attention import TorchPagedAttention
 
 __all__ = [
@@ -32,6 +32,8 @@ __all__ = [
     "FlashInferAttention",
     "RotaryEmbedding",
     "TorchPagedAttention",
+    "apply_logit_bias",
+    "apply_penalties",
     "build_attention_metadata",
     "scattered_block_tables",
     "compute_logprobs",

@@ -1,4 +1,5 @@
-"""Token sampling (greedy, temperature, top-k, top-p; per-request seeds) and log-probabilities."""
+"""Token sampling (greedy, temperature, top-k, top-p; per-request seeds), logit processing (penalties, logit
+bias) and log-probabilities."""
 
 from __future__ import annotations
 
@@ -75,6 +76,39 @@ def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator 
         if g is not None:
             noise[i].exponential_(generator=g)
     return (probs / noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, output_rows: torch.Tensor, output_ids: torch.Tensor,
+                    prompt_rows: torch.Tensor, prompt_ids: torch.Tensor, repetition: torch.Tensor,
+                    frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (vLLM's definitions) on ``logits`` [R, V] float32, in place.
+
+    The token history comes flat: ``output_ids`` int64 [N] (every output token of every row, repeats
+    included) with ``output_rows`` int64 [N] their row; ``prompt_ids`` / ``prompt_rows`` int64 [M] likewise for
+    the prompts (repeats allowed). repetition, frequency, presence: float32 [R].
+    A token seen in the row's prompt or output has its logit divided by ``repetition`` when positive, multiplied
+    by it otherwise; then ``frequency * count`` and ``presence * (count > 0)`` are subtracted, ``count`` being
+    its occurrences in the output. Returns ``logits``."""
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, vocab, dtype=torch.float32, device=logits.device)
+    counts.index_put_((output_rows, output_ids), torch.ones_like(output_ids, dtype=torch.float32), accumulate=True)
+    seen = counts > 0
+    in_output = seen.float()
+    seen[prompt_rows, prompt_ids] = True
+    r = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / r, logits * r)
+    logits.copy_(torch.where(seen, penalized, logits))
+    logits -= frequency[:, None] * counts
+    logits -= presence[:, None] * in_output
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor
+                     ) -> torch.Tensor:
+    """Add ``bias`` float32 [N] to ``logits[rows, token_ids]`` (int64 [N] each; pairs distinct) in place;
+    returns ``logits``."""
+    logits.index_put_((rows, token_ids), bias, accumulate=True)
+    return logits
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int

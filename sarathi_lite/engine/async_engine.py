@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
 
+IDLE_HEALTH_CHECK_S = 1.0  # how often an idle engine loop calls the engine's check_health (seconds)
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -68,7 +70,9 @@ class AsyncLLMEngine:
     no bound. retry_after: the wait (seconds) ``QueueFullError`` suggests.
 
     A step that fails ends only its own requests (``finish_reason="error"``, see ``LLMEngine.step``); only a
-    broken device or worker (``EngineDeadError``) stops the loop, and then ``dead_reason`` says why.
+    broken device or worker (``EngineDeadError``) stops the loop, and then ``dead_reason`` says why. While idle,
+    the loop calls the engine's ``check_health()`` (if it has one) every ``IDLE_HEALTH_CHECK_S`` seconds, so a
+    lost worker or instance is noticed without traffic.
     """
 
     def __init__(self, engine: LLMEngine, on_step: StepListener | None = None,
@@ -124,18 +128,19 @@ class AsyncLLMEngine:
         return self.engine.snapshot()
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                          request_id: str | None = None) -> RequestStream:
+                          request_id: str | None = None, admitted: bool = False) -> RequestStream:
         """Queue a request; once the engine thread accepted it, return the stream of its step outputs.
 
         Raises ``ValueError`` for bad input, as ``LLMEngine.add_request`` does, ``QueueFullError`` when
-        ``max_waiting_requests`` requests wait already, and ``EngineDeadError`` if the engine loop stopped.
+        ``max_waiting_requests`` requests wait already (unless ``admitted``: a further completion of a request
+        that was let in, e.g. the second of ``n``), and ``EngineDeadError`` if the engine loop stopped.
         Iterate the stream to its end or ``aclose()`` it: closing or cancelling aborts.
         """
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
-        self._submit(_Add(request_id, prompt, params or SamplingParams(), stream, accepted))
+        self._submit(_Add(request_id, prompt, params or SamplingParams(), stream, accepted), admitted)
         try:
             await accepted
         except asyncio.CancelledError:
@@ -171,12 +176,12 @@ class AsyncLLMEngine:
             self._wake.notify()
         self._thread.join(timeout)
 
-    def _submit(self, add: _Add) -> None:
+    def _submit(self, add: _Add, admitted: bool = False) -> None:
         with self._lock:
             if self._error is not None or self._stopping:
                 raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
             bound = self.max_waiting_requests
-            if bound is not None and self._num_adds + self._num_waiting >= bound:
+            if bound is not None and not admitted and self._num_adds + self._num_waiting >= bound:
                 raise QueueFullError(f"the server is busy: {bound} requests are already waiting "
                                      f"(max_waiting_requests); retry after {self.retry_after:g} s",
                                      self.retry_after)
@@ -188,17 +193,25 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        check_health = getattr(engine, "check_health", None)
         torch.set_num_threads(self._num_threads)
         try:
             while True:
+                idle = False
                 with self._lock:
                     while not self._commands and not self._stopping and not engine.has_unfinished_requests():
-                        self._wake.wait()
+                        if not self._wake.wait(IDLE_HEALTH_CHECK_S):
+                            idle = True
+                            break
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, []
                     self._num_waiting += self._num_adds  # until _apply says how many it queued
                     self._num_adds = 0
+                if idle and not commands:
+                    if check_health is not None:  # a lost worker or instance is noticed without traffic too
+                        check_health()
+                    continue
                 self._apply(commands)
                 self._num_waiting = engine.snapshot().num_waiting
                 if engine.has_unfinished_requests():

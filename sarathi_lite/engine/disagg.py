@@ -81,6 +81,13 @@ class DisaggregatedEngine:
         self.routes: dict[str, list[str]] = {}
         """request id -> the instances it went through, e.g. ``["prefill0", "decode1"]``."""
 
+    @property
+    def scheduler_config(self) -> Any:
+        """The scheduler config of the instance with the shortest context (``max_model_len``): what fits in every
+        instance."""
+        engines = [e for es in self.engines.values() for e in es]
+        return min((e.scheduler_config for e in engines), key=lambda c: c.max_model_len)
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,

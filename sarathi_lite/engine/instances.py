@@ -260,6 +260,7 @@ class Instance:
     busy: bool = False
     snapshot: EngineSnapshot | None = None
     dead: str | None = None
+    stopped: bool = False  # dead because the router stopped it (the instances it needs are gone), not lost
     stepping: bool = False
     step_started: float = 0.0
     requests: set[str] = field(default_factory=set)
@@ -701,11 +702,46 @@ class ProcessEngine:
         return out
 
     def _check_roles(self) -> None:
-        """Raise ``EngineDeadError`` when a role the layout needs has no live instance."""
+        """Raise ``EngineDeadError`` when a role the layout needs has no live instance, after stopping the
+        instances left (a prefill instance cannot serve without a decode instance: its process and KV blocks
+        would be held for nothing)."""
         needed = (COLOCATED,) if self.layout.colocated else (DECODE,)
         for role in needed:
             if all(i.dead for i in self.instances[role]):
-                raise EngineDeadError(f"no {role} instance is left: {self._deaths()}")
+                reason = f"no {role} instance is left: {self._deaths()}"
+                rest = self._live()
+                if rest:
+                    logger.error("%s; stopping the other instances (%s)", reason, ", ".join(i.name for i in rest))
+                    _stop(rest)
+                    for inst in rest:
+                        inst.dead, inst.stopped, inst.stepping = f"instance {inst.name} was stopped: {reason}", \
+                            True, False
+                    self._where.clear()
+                    self._held.clear()
+                raise EngineDeadError(reason)
+
+    def check_health(self) -> None:
+        """Between steps (``AsyncLLMEngine`` calls it while idle): notice instances that exited, handle them as
+        a step would (their requests rerouted or ended), and raise ``EngineDeadError`` if a role the layout needs
+        has none left (the other instances are stopped then)."""
+        for inst in self._live():
+            if not inst.stepping and inst.process.exitcode is not None:
+                try:
+                    inst.check_alive()
+                except InstanceLost as e:
+                    self._lost(inst, str(e))
+        self._check_roles()
+
+    def instance_states(self) -> dict[str, dict[str, int]]:
+        """Per role of the layout: instances ``alive``, ``lost`` (exited or hung) and ``stopped`` (by the router,
+        once the role they need was gone). Reads plain fields only: safe from any thread."""
+        states = {}
+        for role, insts in self.instances.items():
+            if insts:
+                stopped = sum(i.stopped for i in insts)
+                lost = sum(i.dead is not None for i in insts) - stopped
+                states[role] = {"alive": len(insts) - lost - stopped, "lost": lost, "stopped": stopped}
+        return states
 
     def _deaths(self) -> str:
         return "; ".join(i.dead for i in self._all if i.dead) or "all instances live"

@@ -11,6 +11,8 @@ from sarathi_lite.engine.disagg import DisaggregatedEngine
 from sarathi_lite.engine.instances import ProcessEngine
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.parallel_sampling import child_ids, child_params, pick
+from sarathi_lite.engine.prompts import chat_messages, check_context
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.metrics import Stats
 
@@ -48,11 +50,15 @@ class LLM:
                  None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids) and return the outputs in input order.
 
-        params: one ``SamplingParams`` for all prompts, or one per prompt. If a prompt is rejected
-        (``ValueError``), none of this call's prompts stays queued; other requests of the engine go on.
-        A request whose step fails for an unexpected reason comes back with ``finish_reason="error"`` (and the
-        reason in ``error``); the others, and later calls, are unaffected. Only a broken device or worker raises
-        (``EngineDeadError``).
+        params: one ``SamplingParams`` for all prompts, or one per prompt. A prompt that is empty, or that
+        does not fit in the context with its ``max_tokens``, or any other bad input raises ``ValueError`` naming
+        the prompt (``prompts[2]: ...``; the same rule as the server's, ``prompts.check_context``); none of
+        this call's prompts stays queued then, and other requests of the engine go on. With ``n`` > 1 (or
+        ``best_of``) each prompt's output is its first completion and ``outputs`` holds all ``n``
+        (``parallel_sampling``: the completions after the first share the prompt's KV through the prefix
+        cache). A request whose step fails for an unexpected reason comes back with ``finish_reason="error"``
+        (and the reason in ``error``); the others, and later calls, are unaffected. Only a broken device or
+        worker raises (``EngineDeadError``).
         """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
@@ -69,23 +75,31 @@ class LLM:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params[{i}] must be SamplingParams; got {type(p).__name__}")
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added = []
+        groups = [_Group(f"gen-{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params)]
+        added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
-                added.append(rid)
+            for i, g in enumerate(groups):
+                where = f"prompts[{i}]"
+                g.token_ids = self._token_ids(g.prompt, where)
+                check_context(len(g.token_ids), g.params.max_tokens, self._max_model_len(), where)
+                try:
+                    self.engine.add_request(g.ids[0], g.prompt, g.children[0])
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+                added.append(g.ids[0])
         except Exception:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(groups, use_tqdm)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True
              ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of ``{"role", "content"}`` dicts) or a
-        list of conversations, then ``generate``."""
+        """Apply the model's chat template to one conversation (a list of ``{"role", "content"}`` dicts,
+        ``content`` a string or a list of ``{"type": "text", "text"}`` parts; roles as ``prompts.ROLES``) or a
+        list of conversations, then ``generate``. The server's chat route checks messages with the same
+        function (``prompts.chat_messages``)."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"the model at {self.engine.model_path} has no chat template")
@@ -93,10 +107,9 @@ class LLM:
             raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (or a list of "
                              f"such lists); got {messages!r:.80}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        for c, conversation in enumerate(conversations):
-            _check_conversation(conversation, "messages" if len(conversations) == 1 else f"messages[{c}]")
-        prompts = [tok.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True)
-                   for c in conversations]
+        checked = [chat_messages(c, "messages" if len(conversations) == 1 else f"messages[{i}]")
+                   for i, c in enumerate(conversations)]
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in checked]
         return self.generate([tok(p, add_special_tokens=False).input_ids for p in prompts], params, use_tqdm)
 
     def reset_prefix_cache(self) -> int:
@@ -107,47 +120,81 @@ class LLM:
         """Per-request and per-iteration records of everything this ``LLM`` ran."""
         return self.engine.stats()
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _token_ids(self, prompt: Any, where: str) -> list[int]:
+        """The token ids of ``prompt`` (text is tokenized as the engine does), to check its fit."""
+        if isinstance(prompt, str):
+            tok = self.tokenizer
+            if tok is None:
+                raise ValueError(f"{where}: text prompts need a tokenizer in {self.engine.model_path}")
+            check_text(f"{where}: prompt", prompt)
+            return tok(prompt).input_ids
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"{where}: prompt must be text or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def _max_model_len(self) -> int:
+        return self.engine.scheduler_config.max_model_len
+
+    def _run(self, groups: list[_Group], use_tqdm: bool) -> list[RequestOutput]:
         try:
-            return self._steps(ids, use_tqdm)
+            return self._steps(groups, use_tqdm)
         except BaseException:  # a dead engine, or KeyboardInterrupt: leave none of this call's requests queued
-            for rid in ids:
-                try:
-                    self.engine.abort_request(rid)
-                except (ValueError, RuntimeError):  # finished already, or the engine is gone
-                    pass
+            for g in groups:
+                for rid in g.ids[:g.num_added]:
+                    try:
+                        self.engine.abort_request(rid)
+                    except (ValueError, RuntimeError):  # finished already, or the engine is gone
+                        pass
             raise
 
-    def _steps(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(ids)
+    def _steps(self, groups: list[_Group], use_tqdm: bool) -> list[RequestOutput]:
+        by_id = {rid: g for g in groups for rid in g.ids}
+        pending = set(by_id)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+            bar = tqdm(total=len(pending), desc="generate", unit="req")
         while pending:
             for output in self.engine.step():
-                if output.finished and output.request_id in pending:
-                    pending.discard(output.request_id)
-                    results[output.request_id] = output
+                rid = output.request_id
+                g = by_id.get(rid)
+                if g is None:
+                    continue
+                if g.num_added == 1 and rid == g.ids[0] and len(g.ids) > 1:
+                    g.add_siblings(self.engine)  # the prompt is prefilled: the others take its KV blocks
+                if output.finished and rid in pending:
+                    pending.discard(rid)
+                    results[rid] = output
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [results[rid] for rid in ids]
+        outs = []
+        for g in groups:
+            done = [results[rid] for rid in g.ids]
+            for out in done[1:]:
+                out.prompt = done[0].prompt
+            chosen = pick(done, g.params)
+            chosen[0].outputs = chosen if len(g.ids) > 1 else None
+            outs.append(chosen[0])
+        return outs
 
 
-def _check_conversation(conversation: Any, name: str) -> None:
-    """Raise ``ValueError`` naming the message unless ``conversation`` is a non-empty list of dicts with a
-    string ``role`` and string ``content`` (valid Unicode)."""
-    if isinstance(conversation, (str, bytes, dict)) or not isinstance(conversation, Sequence) or not conversation:
-        raise ValueError(f"{name} must be a non-empty list of {{'role', 'content'}} dicts; got {conversation!r:.80}")
-    for i, m in enumerate(conversation):
-        where = f"{name}[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} must be a dict with 'role' and 'content'; got {type(m).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise ValueError(f"{where}: {key!r} must be a string; got {m.get(key)!r:.80}")
-            check_text(f"{where}.{key}", m[key])
+class _Group:
+    """The completions of one prompt in ``LLM.generate``: the first is added at once, the others once it has
+    been prefilled."""
+
+    def __init__(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.ids = child_ids(request_id, params)
+        self.children = child_params(params)
+        self.token_ids: list[int] = []
+        self.num_added = 1
+
+    def add_siblings(self, engine: Any) -> None:
+        for rid, p in zip(self.ids[1:], self.children[1:]):
+            engine.add_request(rid, self.token_ids, p)
+            self.num_added += 1

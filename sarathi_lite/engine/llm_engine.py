@@ -23,6 +23,7 @@ from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
 from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.sampler import History
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
@@ -203,8 +204,8 @@ class LLMEngine:
         self._publish_snapshot()
 
     def _check_vocab(self, request_id: str, params: SamplingParams) -> None:
-        """The checks of ``params`` that need the vocabulary: stop token ids inside it, ``logprobs`` at most its
-        size."""
+        """The checks of ``params`` that need the vocabulary: stop token ids and ``logit_bias`` keys inside it,
+        ``logprobs`` at most its size; and one completion per request."""
         vocab = self.model_config.vocab_size
         for t in params.stop_token_ids:
             if t >= vocab:
@@ -213,6 +214,13 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary size "
                              f"{vocab}")
+        for t in params.logit_bias:
+            if t >= vocab:
+                raise ValueError(f"request {request_id!r}: logit_bias contains the key {t}, outside the vocabulary "
+                                 f"[0, {vocab})")
+        if params.num_completions > 1:
+            raise ValueError(f"request {request_id!r}: n={params.n}, best_of={params.best_of}: a request of the "
+                             f"step API is one completion; LLM.generate and the server run several")
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
@@ -331,11 +339,13 @@ class LLMEngine:
             except Exception as e:  # torch.AcceleratorError and friends: the device is gone for this process
                 raise EngineDeadError(f"the device {self.device} failed: {e}") from e
 
-    def _sampling(self, out: SchedulerOutput) -> tuple[dict[str, SamplingParams], dict[str, tuple[int, ...]]]:
+    def _sampling(self, out: SchedulerOutput) -> tuple[dict[str, SamplingParams], dict[str, tuple[int, ...]],
+                                                       dict[str, History]]:
         return self.outputs.sampling([s.request_id for s in out.scheduled if s.sample])
 
     def _execute(self, out: SchedulerOutput, params: dict[str, SamplingParams], banned: dict[str, tuple[int, ...]],
-                 release: Sequence[str] = ()) -> tuple[StepResult, list[tuple[str, bool]]]:
+                 history: dict[str, History], release: Sequence[str] = ()
+                 ) -> tuple[StepResult, list[tuple[str, bool]]]:
         """Run one batch: its KV loads, then its forward pass and sampling (on the forward thread when batches are
         in flight). ``release``: finished requests whose runner state can go now. Returns the step's result and
         each KV load's ``(request id, ok)``."""
@@ -348,9 +358,9 @@ class LLMEngine:
         if self._executor is not None:
             out = self._resolve_placeholders(out)
         if self.workers is not None:
-            result = self.workers.execute(self.runner, out, params, banned)
+            result = self.workers.execute(self.runner, out, params, banned, history)
         else:
-            result = self.runner.execute(out, params, banned=banned)
+            result = self.runner.execute(out, params, banned=banned, history=history)
         if self._executor is not None and not callable(result):  # pipeline stages: sampled later, in _postprocess
             self._recent_tokens.append(result.tokens)
         return result, loads

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, KVPool, device_kv_budget
-from sarathi_lite.engine.sampler import Sampler
+from sarathi_lite.engine.sampler import History, Sampler
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend
 from sarathi_lite.models.config import ModelConfig
@@ -129,22 +129,25 @@ class ModelRunner:
         self.sampler.forget(request_id)
 
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-                banned: Mapping[str, Sequence[int]] | None = None) -> StepResult:
+                banned: Mapping[str, Sequence[int]] | None = None, history: Mapping[str, History] | None = None
+                ) -> StepResult:
         """Run ``out``'s batch in one forward pass and sample the rows that end their known tokens.
-        banned: token ids a request's row must not sample this step (``min_tokens``)."""
+        banned: token ids a request's row must not sample this step (``min_tokens``). history: the penalized
+        requests' ``(prompt, output)`` token ids (see ``Sampler``)."""
         logits, rows, prepare_time, forward_time = self.forward(out)
-        return self.sample(out, logits, rows, params, banned, prepare_time, forward_time)
+        return self.sample(out, logits, rows, params, banned, prepare_time, forward_time, history)
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor | None, rows: list[int],
                params: Mapping[str, SamplingParams], banned: Mapping[str, Sequence[int]] | None = None,
-               prepare_time: float = 0.0, forward_time: float = 0.0) -> StepResult:
+               prepare_time: float = 0.0, forward_time: float = 0.0, history: Mapping[str, History] | None = None
+               ) -> StepResult:
         """Sample the ``rows`` of ``out`` (indices into ``out.scheduled``) from their ``logits`` ([len(rows),
         vocab] float32, as ``forward`` gives them; ``None`` when no row samples)."""
         if logits is None:
             return StepResult({}, {}, prepare_time, forward_time)
         t2 = time.perf_counter()
         ids = [out.scheduled[i].request_id for i in rows]
-        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids], banned)
+        tokens, logprobs = self.sampler(logits, ids, [params[rid] for rid in ids], banned, history)
         return StepResult(dict(zip(ids, tokens)),
                           {} if logprobs is None else {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None},
                           prepare_time, forward_time, time.perf_counter() - t2)

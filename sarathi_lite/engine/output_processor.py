@@ -9,6 +9,7 @@ from typing import Any
 
 from sarathi_lite.engine.detokenizer import IncrementalDetokenizer
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.sampler import History
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import RequestMetrics
 from sarathi_lite.scheduler import Request
@@ -59,19 +60,23 @@ class OutputProcessor:
     def remove(self, request_id: str) -> RequestState | None:
         return self._states.pop(request_id, None)
 
-    def sampling(self, request_ids: list[str]) -> tuple[dict[str, SamplingParams], dict[str, tuple[int, ...]]]:
-        """The sampling parameters of ``request_ids`` (the rows of a batch that sample), and the token ids each
+    def sampling(self, request_ids: list[str]) -> tuple[dict[str, SamplingParams], dict[str, tuple[int, ...]],
+                                                        dict[str, History]]:
+        """The sampling parameters of ``request_ids`` (the rows of a batch that sample), the token ids each
         must not sample in that row (``min_tokens`` not yet reached, counting tokens still being sampled by
-        batches in flight)."""
-        params, banned = {}, {}
+        batches in flight), and the ``(prompt, output)`` token lists of those with a penalty (the lists
+        themselves, not copies: the sampler reads them once, on the request's first sampled row)."""
+        params, banned, history = {}, {}, {}
         for rid in request_ids:
             state = self._states[rid]
             params[rid] = state.params
             req = state.request
+            if state.params.penalized:
+                history[rid] = (req.prompt_token_ids, req.output_token_ids)
             if state.banned and len(req.output_token_ids) + max(req.num_pending_samples - 1, 0) \
                     < state.params.min_tokens:
                 banned[rid] = state.banned
-        return params, banned
+        return params, banned, history
 
     def process(self, tokens: Mapping[str, int], logprobs: Mapping[str, Any],
                 stop: Callable[[Request], None]) -> list[RequestOutput]:

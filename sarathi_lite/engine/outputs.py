@@ -21,11 +21,14 @@ class RequestOutput:
     ``SamplingParams.logprobs`` is set); before the end they are ``None``.
     metrics: the request's timeline (``ttft``, ``tbt``, ``e2e`` in seconds) and ``num_cached_tokens``, the
     prompt tokens served from the prefix cache.
+    index, outputs: with ``SamplingParams.n`` > 1, ``LLM.generate`` returns one output per prompt, its first
+    completion, whose ``outputs`` lists all ``n`` (each with its ``index``, 0 .. n-1); otherwise ``index`` is 0
+    and ``outputs`` is ``[self]``.
     """
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "new_token_ids", "new_text", "new_logprobs",
                  "num_output_tokens", "finish_reason", "stop_reason", "metrics", "token_ids", "text", "logprobs",
-                 "error")
+                 "error", "index", "_outputs")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], new_token_ids: list[int],
                  new_text: str, num_output_tokens: int, finish_reason: str | None, metrics: RequestMetrics,
@@ -46,6 +49,17 @@ class RequestOutput:
         self.text = text
         self.logprobs = logprobs
         self.error: str | None = None
+        self.index = 0
+        self._outputs: list[RequestOutput] | None = None
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """The completions of this output's prompt (``[self]`` unless ``n`` > 1)."""
+        return [self] if self._outputs is None else self._outputs
+
+    @outputs.setter
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        self._outputs = outputs
 
     @property
     def finished(self) -> bool:

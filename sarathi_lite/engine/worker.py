@@ -49,6 +49,7 @@ from sarathi_lite.engine.pipeline import (
     send_logits,
     send_micro_batch,
 )
+from sarathi_lite.engine.sampler import History
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.models.llama import LlamaForCausalLM
@@ -312,16 +313,17 @@ class WorkerGroup:
                                                              max_position_embeddings=max_position_embeddings)
 
     def execute(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-                banned: Mapping[str, Sequence[int]]) -> StepResult | Callable[[], StepResult]:
-        """Send ``out`` to the workers, then run rank 0's share of the forward pass and sample (``banned``: as
-        ``ModelRunner.execute``'s). With pipeline stages: send it down the pipeline and return a function that
-        waits for its logits and samples them (call them in the order of ``execute``)."""
+                banned: Mapping[str, Sequence[int]], history: Mapping[str, History] | None = None
+                ) -> StepResult | Callable[[], StepResult]:
+        """Send ``out`` to the workers, then run rank 0's share of the forward pass and sample (``banned``,
+        ``history``: as ``ModelRunner.execute``'s). With pipeline stages: send it down the pipeline and return a
+        function that waits for its logits and samples them (call them in the order of ``execute``)."""
         self.check_alive()
         self.busy = True
         if self.pp is not None:
             self.pending += 1
-            return self._guard(self._send_down, runner, out, params, banned)
-        result = self._guard(self._step, runner, out, params, banned)
+            return self._guard(self._send_down, runner, out, params, banned, history)
+        result = self._guard(self._step, runner, out, params, banned, history)
         self.busy = False
         return result
 
@@ -334,12 +336,13 @@ class WorkerGroup:
         self.broadcast_seconds += time.perf_counter() - t0
 
     def _step(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-              banned: Mapping[str, Sequence[int]]) -> StepResult:
+              banned: Mapping[str, Sequence[int]], history: Mapping[str, History] | None) -> StepResult:
         self._broadcast(out)
-        return runner.execute(out, params, banned=banned)
+        return runner.execute(out, params, banned=banned, history=history)
 
     def _send_down(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-                   banned: Mapping[str, Sequence[int]]) -> Callable[[], StepResult]:
+                   banned: Mapping[str, Sequence[int]], history: Mapping[str, History] | None
+                   ) -> Callable[[], StepResult]:
         self._broadcast(out)
         pipe = self.groups.pipeline
         _, rows, prepare_time, forward_time, _ = run_stage(runner, pipe, out)
@@ -352,7 +355,7 @@ class WorkerGroup:
             self.pending -= 1
             self.busy = self.pending > 0
             result = runner.sample(out, None if logits is None else logits.to(runner.device), rows, params, banned,
-                                   prepare_time, forward_time)
+                                   prepare_time, forward_time, history)
             result.stage_busy = tuple(busy)
             return result
 

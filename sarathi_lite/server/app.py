@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,11 +32,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sarathi_lite.engine.async_engine import AsyncLLMEngine, RequestStream
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.parallel_sampling import child_ids, child_params, pick
+from sarathi_lite.engine.prompts import ContextLengthError, check_context
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.server.config import ServerConfig
 from sarathi_lite.server.errors import APIError, install_error_handlers, sse_error, to_api_error
 from sarathi_lite.server.limits import Limits
 from sarathi_lite.server.metrics import ServerMetrics
 from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there (seconds)
@@ -67,12 +73,21 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, config: S
     install_error_handlers(app)
     app.add_middleware(Limits, config=config)
 
+    states = getattr(engine, "instance_states", None)
+
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> dict[str, Any]:
+        """200 ``{"status": "ok"}`` while the engine runs; with instances (``--instances``) also their count per
+        role and state, and ``"degraded"`` once one is lost. 503 naming why once the engine cannot serve."""
+        instances = None if states is None else states()
         if not aengine.is_running:
-            raise APIError(503, f"the engine is not running: {aengine.dead_reason}", type="server_error",
+            detail = "" if instances is None else f" (instances: {json.dumps(instances)})"
+            raise APIError(503, f"the engine is not running: {aengine.dead_reason}{detail}", type="server_error",
                            code="engine_dead")
-        return {"status": "ok"}
+        if instances is None:
+            return {"status": "ok"}
+        lost = any(s["lost"] or s["stopped"] for s in instances.values())
+        return {"status": "degraded" if lost else "ok", "instances": instances}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -119,11 +134,25 @@ class _Server:
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         deadline = self._deadline()
         self._check_model(body.model)
-        prompt_ids = await self._prompt_ids(body.prompt)
-        max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens, "prompt", "max_tokens")
-        stream = await self._start(body, prompt_ids, max_tokens, body.logprobs, "prompt")
-        fmt = _Format(self, stream.request_id, "text_completion", chat=False, top_logprobs=body.logprobs)
-        return await self._respond(body, stream, fmt, request, deadline)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt tokens' logprobs, which this server does not "
+                                "compute; drop one of them", param="echo")
+        prompts = body.prompts()
+        several = len(prompts) > 1
+        token_ids, params, echoes = [], [], []
+        for i, prompt in enumerate(prompts):
+            where = f"prompt[{i}]" if several else "prompt"
+            ids = await self._prompt_ids(prompt, where)
+            max_tokens = self._fit(len(ids), body.max_tokens, where, "prompt", "max_tokens",
+                                   self.config.completions_default_max_tokens)
+            token_ids.append(ids)
+            params.append(self._params(body, max_tokens, body.logprobs))
+            if body.echo:
+                echoes.append(prompt if isinstance(prompt, str) else await self._decode(ids))
+        group = await self._start(body, token_ids, params, "cmpl")
+        fmt = _Format(self, group.request_id, "text_completion", chat=False, top_logprobs=body.logprobs,
+                      echoes=echoes or None)
+        return await self._respond(body, group, fmt, request, deadline)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         deadline = self._deadline()
@@ -134,7 +163,10 @@ class _Server:
                            param="messages")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            messages = body.conversation()
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
 
         def template() -> list[int]:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -142,15 +174,15 @@ class _Server:
 
         prompt_ids = await self._off_loop(template)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = self._max_tokens(len(prompt_ids), requested, "messages", "max_completion_tokens"
-                                      if body.max_completion_tokens is not None else "max_tokens",
-                                      default=self.config.chat_default_max_tokens)
+        max_tokens = self._fit(len(prompt_ids), requested, "messages", "messages", "max_completion_tokens"
+                               if body.max_completion_tokens is not None else "max_tokens",
+                               self.config.chat_default_max_tokens)
         top = None if not body.logprobs else (body.top_logprobs or 0)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        stream = await self._start(body, prompt_ids, max_tokens, top, "messages")
-        fmt = _Format(self, stream.request_id, "chat.completion", chat=True, top_logprobs=top)
-        return await self._respond(body, stream, fmt, request, deadline)
+        group = await self._start(body, [prompt_ids], [self._params(body, max_tokens, top)], "chatcmpl")
+        fmt = _Format(self, group.request_id, "chat.completion", chat=True, top_logprobs=top)
+        return await self._respond(body, group, fmt, request, deadline)
 
     # ------------------------------------------------------------------ shared steps
 
@@ -168,58 +200,57 @@ class _Server:
         return APIError(504, f"the request did not finish within {self.config.request_timeout:g} s "
                              f"(request_timeout) and was aborted", type="server_error", code="timeout")
 
-    async def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt: got {len(prompt)} prompts; this server takes one per request",
-                               param="prompt")
-            prompt = prompt[0]
+    async def _prompt_ids(self, prompt: str | list[int], where: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+                raise APIError(400, f"{where}: this model has no tokenizer: send the prompt as token ids",
+                               param="prompt")
             tok = self.tokenizer
             return await self._off_loop(lambda: tok(prompt).input_ids)
         return list(prompt)
 
-    def _max_tokens(self, num_prompt: int, requested: int | None, prompt_param: str, param: str,
-                    default: int | None = None) -> int:
-        """``requested`` checked against the context left after the prompt; when ``None``, ``default`` capped
-        by that room (all of it without a default)."""
-        limit = self.max_model_len
-        if num_prompt == 0:
-            raise APIError(400, f"{prompt_param}: the prompt is empty", param=prompt_param)
-        if num_prompt >= limit:
-            raise APIError(400, f"{prompt_param}: the prompt has {num_prompt} tokens; this model's maximum context "
-                           f"length is {limit} tokens (prompt and output together)", param=prompt_param,
-                           code="context_length_exceeded")
-        if requested is None:
-            return limit - num_prompt if default is None else min(default, limit - num_prompt)
-        if num_prompt + requested > limit:
-            raise APIError(400, f"{param}: {num_prompt} prompt tokens + {param}={requested} exceed this model's "
-                           f"maximum context length of {limit} tokens", param=param,
-                           code="context_length_exceeded")
-        return requested
+    async def _decode(self, token_ids: list[int]) -> str:
+        tok = self.tokenizer
+        return "" if tok is None else await self._off_loop(lambda: tok.decode(token_ids))
 
-    async def _start(self, body: _SamplingRequest, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
-                     prompt_param: str) -> RequestStream:
+    def _fit(self, num_prompt: int, requested: int | None, where: str, prompt_param: str, param: str,
+             default: int) -> int:
+        """The ``max_tokens`` to run with (``prompts.check_context``, the Python API's rule too)."""
+        try:
+            return check_context(num_prompt, requested, self.max_model_len, where, prompt_param, param, default)
+        except ContextLengthError as e:
+            code = None if num_prompt == 0 else "context_length_exceeded"
+            raise APIError(400, str(e), param=e.param, code=code) from e
+
+    def _params(self, body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
             params = body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise to_api_error(e) from e
-        rid = f"{'chatcmpl' if prompt_param == 'messages' else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            return await self.aengine.add_request(prompt_ids, params, rid)
-        except ValueError as e:
-            raise to_api_error(e, prompt_param) from e
-        except Exception as e:  # a full queue (503 with Retry-After), a dead engine (503)
-            raise to_api_error(e) from e
+        if body.stream and params.num_completions > params.n:
+            raise APIError(400, f"best_of={params.best_of} > n={params.n} cannot stream: the best completions are "
+                                f"known only at the end", param="best_of")
+        return params
 
-    async def _respond(self, body: _SamplingRequest, stream: RequestStream, fmt: _Format, request: Request,
+    async def _start(self, body: _SamplingRequest, token_ids: list[list[int]], params: list[SamplingParams],
+                     prefix: str) -> _Choices:
+        group = _Choices(self.aengine, f"{prefix}-{uuid.uuid4().hex}", token_ids, params)
+        try:
+            await group.start()
+        except ValueError as e:
+            await group.aclose()
+            raise to_api_error(e, "messages" if prefix == "chatcmpl" else "prompt") from e
+        except Exception as e:  # a full queue (503 with Retry-After), a dead engine (503)
+            await group.aclose()
+            raise to_api_error(e) from e
+        return group
+
+    async def _respond(self, body: _SamplingRequest, group: _Choices, fmt: _Format, request: Request,
                        deadline: float | None) -> Response:
-        if body.stream:  # a disconnect cancels the streaming task, which aborts the request
-            return StreamingResponse(self._events(body, stream, fmt, deadline), media_type="text/event-stream")
+        if body.stream:  # a disconnect cancels the streaming task, which aborts the requests
+            return StreamingResponse(self._events(body, group, fmt, deadline), media_type="text/event-stream")
         loop = asyncio.get_running_loop()
-        collect = asyncio.ensure_future(_last(stream))
+        collect = asyncio.ensure_future(group.finals())
         try:
             while not collect.done():  # nothing is sent until the end: watch for the client leaving meanwhile
                 wait = DISCONNECT_POLL_S if deadline is None else min(DISCONNECT_POLL_S, deadline - loop.time())
@@ -231,87 +262,204 @@ class _Server:
                     raise self._timed_out()
                 if await request.is_disconnected():
                     collect.cancel()
-            final = await collect
+                    await asyncio.wait({collect})
+                    logger.info("%s: the client left before the end; its requests were aborted", group.request_id)
+                    return Response(status_code=499)  # nobody reads it: the connection is gone
+            try:
+                finals = collect.result()
+            except Exception as e:
+                raise to_api_error(e) from e
         finally:
-            await stream.aclose()
-        if final.finish_reason == "error":
-            raise APIError(500, final.error or "the engine failed this request", type="server_error")
-        return JSONResponse(fmt.whole(final, _usage(final)))
+            await group.aclose()
+        failed = next((o for o in finals.values() if o.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, failed.error or "the engine failed this request", type="server_error")
+        choices = []
+        for i, p in enumerate(group.params):
+            for out in pick([finals[(i, k)] for k in range(p.num_completions)], p):
+                choices.append(fmt.whole_choice(i * p.n + out.index, out, i))
+        return JSONResponse({**fmt.envelope("whole"), "choices": choices, "usage": group.usage(finals)})
 
-    async def _events(self, body: _SamplingRequest, stream: RequestStream, fmt: _Format, deadline: float | None
+    async def _events(self, body: _SamplingRequest, group: _Choices, fmt: _Format, deadline: float | None
                       ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
+        complete = False
         try:
             if fmt.chat:
-                yield _event(fmt.chunk(None, {"role": "assistant", "content": ""}, None, body))
+                for i, p in enumerate(group.params):
+                    for k in range(p.n):
+                        yield _event(fmt.chunk(i * p.n + k, None, {"role": "assistant", "content": ""}, None, body))
             while True:
                 try:
-                    if deadline is None:
-                        out = await stream.__anext__()
-                    else:  # cancelling __anext__ aborts the request
-                        out = await asyncio.wait_for(stream.__anext__(), max(deadline - loop.time(), 0.0))
-                except StopAsyncIteration:
-                    break
+                    item = await (group.next() if deadline is None
+                                  else asyncio.wait_for(group.next(), max(deadline - loop.time(), 0.0)))
                 except asyncio.TimeoutError:
                     yield sse_error(self._timed_out())
                     break
+                if item is None:
+                    complete = True
+                    break
+                i, k, out = item
                 if out.finish_reason == "error":
                     yield sse_error(APIError(500, out.error or "the engine failed this request", type="server_error"))
                     break
                 usage = _usage(out) if body.continuous_usage else None
-                yield _event(fmt.chunk(out, None, usage, body))
-                if out.finished and body.include_usage:
-                    yield _event({**fmt.envelope("chunk"), "choices": [], "usage": _usage(out)})
+                yield _event(fmt.chunk(i * group.params[i].n + k, out, None, usage, body, prompt=i))
+            if complete and body.include_usage:
+                yield _event({**fmt.envelope("chunk"), "choices": [], "usage": group.usage(group.done)})
+        except asyncio.CancelledError:
+            logger.info("%s: the client left mid-stream; its requests were aborted", group.request_id)
+            raise
         except Exception as e:  # after the stream began: report it in the stream, then end it
             yield sse_error(e)
         finally:
-            await stream.aclose()
+            await group.aclose()
         yield DONE
 
 
-class _Format:
-    """Turns step outputs into OpenAI completion / chat completion objects and chunks."""
+class _Choices:
+    """The engine requests behind one HTTP request: per prompt, its ``num_completions`` completions
+    (``parallel_sampling``). The first completion of each prompt starts at once; the others once it has its first
+    output, so they take the prompt's KV blocks from the prefix cache. Outputs of all of them arrive on one
+    queue, tagged ``(prompt, completion)``."""
 
-    def __init__(self, server: _Server, request_id: str, object_name: str, *, chat: bool, top_logprobs: int | None
-                 ) -> None:
+    def __init__(self, aengine: AsyncLLMEngine, request_id: str, token_ids: list[list[int]],
+                 params: list[SamplingParams]) -> None:
+        self.aengine = aengine
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.params = params
+        several = len(token_ids) > 1
+        self.ids = [child_ids(f"{request_id}-{i}" if several else request_id, p) for i, p in enumerate(params)]
+        self.children = [child_params(p) for p in params]
+        self.done: dict[tuple[int, int], RequestOutput] = {}
+        self._streams: list[RequestStream] = []
+        self._tasks: list[asyncio.Task] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._expected = sum(p.num_completions for p in params)
+
+    async def start(self) -> None:
+        """Add the first completion of every prompt; raises what ``AsyncLLMEngine.add_request`` raises (the caller
+        then closes the group)."""
+        for i in range(len(self.params)):
+            try:
+                await self._add(i, 0)
+            except ValueError as e:
+                if len(self.params) == 1:
+                    raise
+                raise ValueError(f"prompt[{i}]: {e}") from e
+
+    async def _add(self, i: int, k: int) -> None:
+        stream = await self.aengine.add_request(self.token_ids[i], self.children[i][k], self.ids[i][k],
+                                                admitted=i > 0 or k > 0)  # counted once against the bound
+        self._streams.append(stream)
+        self._tasks.append(asyncio.ensure_future(self._pump(i, k, stream)))
+
+    async def _pump(self, i: int, k: int, stream: RequestStream) -> None:
+        try:
+            first = True
+            async for out in stream:
+                self._queue.put_nowait((i, k, out))
+                if first and k == 0:
+                    first = False
+                    for sibling in range(1, self.params[i].num_completions):  # the prompt's KV is cached now
+                        await self._add(i, sibling)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a dead engine, a full queue for a sibling: the consumer raises it
+            self._queue.put_nowait(e)
+
+    async def next(self) -> tuple[int, int, RequestOutput] | None:
+        """The next step output of any completion, or ``None`` once all have finished; raises an error a
+        completion's stream raised."""
+        if len(self.done) == self._expected:
+            return None
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        i, k, out = item
+        if out.finished:
+            self.done[(i, k)] = out
+        return item
+
+    async def finals(self) -> dict[tuple[int, int], RequestOutput]:
+        """Every completion's final output, by ``(prompt, completion)``."""
+        while await self.next() is not None:
+            pass
+        return self.done
+
+    async def aclose(self) -> None:
+        """Abort every completion not finished yet."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+        for stream in self._streams:
+            await stream.aclose()
+
+    def usage(self, finals: dict[tuple[int, int], RequestOutput]) -> dict[str, Any]:
+        """OpenAI's usage: each prompt counted once, every generated completion's tokens (``best_of`` ones
+        included); ``cached_tokens`` are those the prompts' first completions took from the prefix cache."""
+        prompt = sum(len(ids) for ids in self.token_ids)
+        completion = sum(o.num_output_tokens for o in finals.values())
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        firsts = [finals[(i, 0)] for i in range(len(self.params)) if (i, 0) in finals]
+        cached = [getattr(o.metrics, "num_cached_tokens", None) for o in firsts]
+        if cached and all(c is not None for c in cached):
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+        return usage
+
+
+class _Format:
+    """Turns step outputs into OpenAI completion / chat completion objects and chunks. echoes: per prompt, its
+    text to put before each of its completions (``echo``)."""
+
+    def __init__(self, server: _Server, request_id: str, object_name: str, *, chat: bool, top_logprobs: int | None,
+                 echoes: list[str] | None = None) -> None:
         self.server = server
         self.request_id = request_id
         self.object_name = object_name
         self.chat = chat
         self.top_logprobs = top_logprobs
+        self.echoes = echoes
         self.created = int(time.time())
-        self._text_offset = 0
+        self._text_offset: dict[int, int] = {}
+        self._echoed: set[int] = set()
 
     def envelope(self, kind: str) -> dict[str, Any]:
         name = self.object_name + (".chunk" if kind == "chunk" and self.chat else "")
         return {"id": self.request_id, "object": name, "created": self.created, "model": self.server.model_name}
 
-    def chunk(self, out: RequestOutput | None, delta: dict[str, Any] | None, usage: dict[str, Any] | None,
-              body: _SamplingRequest) -> dict[str, Any]:
+    def chunk(self, index: int, out: RequestOutput | None, delta: dict[str, Any] | None,
+              usage: dict[str, Any] | None, body: _SamplingRequest, prompt: int = 0) -> dict[str, Any]:
         text = "" if out is None else out.new_text
-        logprobs = None if out is None else self._logprobs(out.new_token_ids, out.new_logprobs)
+        if self.echoes is not None and index not in self._echoed:
+            self._echoed.add(index)
+            text = self.echoes[prompt] + text
+        logprobs = None if out is None else self._logprobs(index, out.new_token_ids, out.new_logprobs)
         finish = None if out is None else out.finish_reason
         if self.chat:
-            choice = {"index": 0, "delta": delta if delta is not None else ({"content": text} if text else {}),
+            choice = {"index": index, "delta": delta if delta is not None else ({"content": text} if text else {}),
                       "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         chunk = {**self.envelope("chunk"), "choices": [choice]}
         if body.include_usage or body.continuous_usage:
             chunk["usage"] = usage
         return chunk
 
-    def whole(self, final: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]:
-        logprobs = self._logprobs(final.token_ids or [], final.logprobs)
+    def whole_choice(self, index: int, final: RequestOutput, prompt: int) -> dict[str, Any]:
+        logprobs = self._logprobs(index, final.token_ids or [], final.logprobs)
+        text = final.text or ""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": final.text or ""},
-                      "logprobs": logprobs, "finish_reason": final.finish_reason}
-        else:
-            choice = {"index": 0, "text": final.text or "", "logprobs": logprobs,
-                      "finish_reason": final.finish_reason}
-        return {**self.envelope("whole"), "choices": [choice], "usage": usage}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": final.finish_reason}
+        if self.echoes is not None:
+            text = self.echoes[prompt] + text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[Any] | None) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[Any] | None) -> dict[str, Any] | None:
         if self.top_logprobs is None or logprobs is None:
             return None
         name = self._token_text
@@ -324,25 +472,20 @@ class _Format:
                                                  for t, v in top.items()]})
             return {"content": content}
         tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = self._text_offset.get(index, 0)
         for tid, (lp, top) in zip(token_ids, logprobs):
             s = name(tid)
             tokens.append(s)
             token_logprobs.append(lp)
             tops.append({name(t): v for t, v in top.items()})
-            offsets.append(self._text_offset)
-            self._text_offset += len(s)
+            offsets.append(offset)
+            offset += len(s)
+        self._text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:
         tok = self.server.tokenizer
         return f"token_id:{token_id}" if tok is None else tok.decode([token_id])
-
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    final = None
-    async for out in stream:
-        final = out
-    return final
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
@@ -358,4 +501,3 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-

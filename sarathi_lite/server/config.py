@@ -42,9 +42,14 @@ class ServerConfig:
     chat_default_max_tokens: int = field(default=1024, metadata={
         "help": "max_tokens of a chat request that gives none (capped by the context left after the prompt): "
                 "without a bound a chat request could hold its KV blocks for the whole context"})
+    completions_default_max_tokens: int = field(default=16, metadata={
+        "help": "max_tokens of a /v1/completions request that gives none or null (capped by the context left): "
+                "16, OpenAI's default; without it one request could hold a seat and its KV blocks for the whole "
+                "context"})
 
     def __post_init__(self) -> None:
-        for name in ("max_waiting_requests", "retry_after", "max_body_bytes", "chat_default_max_tokens"):
+        for name in ("max_waiting_requests", "retry_after", "max_body_bytes", "chat_default_max_tokens",
+                     "completions_default_max_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_waiting_requests":
                 continue
@@ -52,8 +57,9 @@ class ServerConfig:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0")
         if self.max_waiting_requests == 0:
             self.max_waiting_requests = None
-        if self.max_body_bytes < 1 or self.chat_default_max_tokens < 1:
-            raise ValueError("max_body_bytes and chat_default_max_tokens must be >= 1")
+        for name in ("max_body_bytes", "chat_default_max_tokens", "completions_default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("header_timeout", "body_timeout", "request_timeout"):
             value = getattr(self, name)
             if value is None and name == "request_timeout":

@@ -19,7 +19,7 @@ from sarathi_lite.engine.errors import EngineDeadError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
-_PARAM = re.compile(r"^(?:request '[^']*': )?(\w+)(?:=| contains )")
+_PARAM = re.compile(r"^(?:prompt\[\d+\]: )?(?:request '[^']*': )?(\w+)(?:=| contains )")
 
 
 class APIError(Exception):
@@ -88,7 +88,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type")
+        if request.method == "POST" and (kind is None or kind.split(";")[0].strip().lower() != "application/json"):
+            return APIError(400, f"the body must be JSON sent with 'Content-Type: application/json'; got "
+                                 f"{'no Content-Type' if kind is None else repr(kind[:80])}",
+                            code="invalid_content_type").response()
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -57,6 +57,13 @@ class ServerMetrics:
         self.kv_used.set_function(lambda: engine.snapshot().kv_blocks_used)
         self.kv_total.set_function(lambda: engine.snapshot().kv_blocks_total)
         self.streams.set_function(lambda: engine.num_streams)
+        states = getattr(engine.engine, "instance_states", None)
+        if states is not None:  # instances as processes: how many of each role are alive, lost, stopped
+            gauge = Gauge(f"{PREFIX}_instances", "Instances by role and state (alive, lost, stopped)",
+                          ["role", "state"], registry=self.registry)
+            for role, counts in states().items():
+                for state in counts:
+                    gauge.labels(role, state).set_function(lambda r=role, s=state: states()[r][s])
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Record the iterations ``engine`` ran since the last call (one for an ``LLMEngine`` step; any number for
