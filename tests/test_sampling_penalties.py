@@ -100,6 +100,11 @@ def llm(tiny_checkpoints) -> LLM:
     return LLM(tiny_checkpoints["llama"], **OPTIONS)
 
 
+@pytest.fixture(scope="module")
+def hf(tiny_checkpoints) -> HFReference:
+    return HFReference(tiny_checkpoints["llama"])
+
+
 def test_neutral_values_keep_greedy_outputs_and_logprobs_bit_identical(llm):
     prompts = [[5, 6, 7, 8, 9], list(range(20, 60)), [11] * 13]
     base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -124,9 +129,8 @@ def test_neutral_values_keep_greedy_outputs_and_logprobs_bit_identical(llm):
 
 @pytest.mark.parametrize("params", PENALTIES, ids=lambda p: ",".join(
     f"{k}={v}" for k, v in _fields(p).items() if v not in (0.0, 1.0, {})))
-def test_greedy_generation_follows_the_hand_computed_adjustment_of_hugging_faces_logits(tiny_checkpoints, llm,
-                                                                                      params):
-    ref_model = HFReference(tiny_checkpoints["llama"])
+def test_greedy_generation_follows_the_hand_computed_adjustment_of_hugging_faces_logits(hf, llm, params):
+    ref_model = hf
     prompt = [5, 6, 7, 5, 6, 7, 9, 10]
     p = SamplingParams(max_tokens=10, ignore_eos=True, **{**_fields(params), "logit_bias": params.logit_bias},
                        temperature=0.0)

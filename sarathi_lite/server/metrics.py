@@ -57,7 +57,7 @@ class ServerMetrics:
         self.kv_used.set_function(lambda: engine.snapshot().kv_blocks_used)
         self.kv_total.set_function(lambda: engine.snapshot().kv_blocks_total)
         self.streams.set_function(lambda: engine.num_streams)
-        states = getattr(engine.engine, "instance_states", None)
+        states = getattr(getattr(engine, "engine", None), "instance_states", None)
         if states is not None:  # instances as processes: how many of each role are alive, lost, stopped
             gauge = Gauge(f"{PREFIX}_instances", "Instances by role and state (alive, lost, stopped)",
                           ["role", "state"], registry=self.registry)
