@@ -69,7 +69,8 @@ class SarathiScheduler(AsyncScheduler):
         self.token_budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
         self.step_log: deque[dict[str, Any]] = deque(maxlen=STEP_LOG_LENGTH)
         self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
-        self._step_started: dict[int, tuple[float, float | None, Any]] = {}
+        # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
+        self._step_started: dict[int, tuple[float, SchedulerOutput, dict[str, Any]]] = {}
         self._known: set[str] = set()  # the requests a step record has named (live ones only)
         logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
                     config.chunk_size, config.hol_protection)
@@ -135,14 +136,14 @@ class SarathiScheduler(AsyncScheduler):
             for rid, n in scheduled.items():
                 start = self.requests[rid].num_computed_tokens - n
                 rows.add(ScheduledRequest(rid, start, n, [], [], True, rid not in decoding))
-            self._step_started[id(output)] = (time.perf_counter(), None, (rows, record))
+            self._step_started[id(output)] = (time.perf_counter(), rows, record)
         elif self._log_file is not None:
             self._write(record)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         started = self._step_started.pop(id(scheduler_output), None)
         if started is not None:
-            t0, _, (rows, record) = started
+            t0, rows, record = started
             measured = time.perf_counter() - t0
             record["measured"] = measured
             if not self.scheduler_config.async_scheduling:  # overlapped steps have no step time of their own
