@@ -147,6 +147,16 @@ def test_only_the_blocks_the_decode_side_lacks_are_sent(pd, tiny_checkpoints):
     assert_pools_whole(pd)
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_instance_sees_them(pd):
+    vocab = pd.model_config.vocab_size
+    for bad in ([5, -1], [5, vocab], [True]):
+        with pytest.raises(ValueError, match=f"request 'bad': token id {bad[-1]!r} is outside the vocabulary"):
+            pd.add_request("bad", bad, GREEDY)
+        assert "bad" not in pd.routes
+    assert not pd.has_unfinished_requests()
+    assert_pools_whole(pd)
+
+
 def test_aborts_in_every_state_leave_both_pools_whole(pd):
     long = list(range(3, 43))  # 40 tokens: 3 prefill steps at chunk 16
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

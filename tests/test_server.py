@@ -179,6 +179,9 @@ BAD_REQUESTS = [  # (route, body or raw text, status, param)
     ("completions", {"model": MODEL, "prompt": [5] * 1100}, 400, "prompt"),
     ("completions", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 1020}, 400, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400, "prompt"),
+    # echo decodes the prompt's ids: an id outside the vocabulary is a 400, never the tokenizer's OverflowError
+    ("completions", {"model": MODEL, "prompt": [-1], "echo": True}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": ["ok", [3, 10**6]], "echo": True}, 400, "prompt"),
     ("completions", {"model": "gpt-7", "prompt": "x"}, 404, "model"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages.0.role"),

@@ -74,6 +74,7 @@ class DisaggregatedEngine:
                 self.engines[role].append(engine)
         assert source is not None
         self.tokenizer = source.tokenizer
+        self.model_config = source.model_config
         self.model_path = source.model_path
         self._source = source
         self._requests: dict[str, tuple[str | Sequence[int], SamplingParams, float, int]] = {}

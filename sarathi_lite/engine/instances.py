@@ -53,12 +53,14 @@ from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.llm_engine import LLMEngine, _load_tokenizer
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.prompts import check_token_ids
 from sarathi_lite.engine.p2p_connector import P2PKVConnector
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import _SHUTDOWN_GRACE, _free_port
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
+from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.scheduler import SchedulerConfig
 from sarathi_lite.scheduler.routing import (
     COLOCATED,
@@ -131,8 +133,8 @@ class _Child:
         return (pending_prefill_tokens(sched), kv_demand(sched), self.engine.has_unfinished_requests(),
                 self.engine.snapshot())
 
-    def ready(self) -> SchedulerConfig:
-        return self.engine.scheduler_config
+    def ready(self) -> tuple[SchedulerConfig, ModelConfig]:
+        return self.engine.scheduler_config, self.engine.model_config
 
     def add(self, request_id: str, prompt: Any, params: SamplingParams, arrival: float, num_external: int,
             handle: int | None, source: int | None) -> None:
@@ -407,8 +409,9 @@ class ProcessEngine:
             self.shutdown()
             raise
         self.config = base
-        self.scheduler_config: SchedulerConfig = ready[-1]
+        self.scheduler_config: SchedulerConfig = ready[-1][0]
         """A decode instance's (a replica's) scheduler config: its ``max_model_len`` bounds every request."""
+        self.model_config: ModelConfig = ready[-1][1]
         self.metrics = RecentIterations()
         self._handles = itertools.count()
         self._requests: dict[str, tuple[Any, SamplingParams, float, int]] = {}
@@ -458,7 +461,7 @@ class ProcessEngine:
         if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
             raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
                              f"{type(prompt).__name__}")
-        return list(prompt)
+        return check_token_ids(f"request {request_id!r}", prompt, self.model_config.vocab_size)
 
     def _place(self, request_id: str, token_ids: list[int]) -> None:
         """Add a request (new, or back from a lost prefill instance) where the router says; an instance found dead

@@ -24,6 +24,7 @@ from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_po
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampler import History
+from sarathi_lite.engine.prompts import check_token_ids
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
@@ -454,12 +455,7 @@ class LLMEngine:
         if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
             raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
                              f"{type(prompt).__name__}")
-        token_ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"request {request_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
-        return None, token_ids
+        return None, check_token_ids(f"request {request_id!r}", prompt, self.model_config.vocab_size)
 
     # ------------------------------------------------------------------ state for other threads
 

@@ -1,6 +1,7 @@
 """The checks of what a caller asks to run, shared by the Python API (``LLM.generate`` / ``LLM.chat``) and the
 OpenAI-compatible server, so both accept and refuse the same things with the same messages: chat messages (roles,
-content as a string or text parts), and a prompt's fit in the context with its ``max_tokens``."""
+content as a string or text parts), prompt token ids inside the vocabulary, and a prompt's fit in the context
+with its ``max_tokens``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ class ContextLengthError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def check_token_ids(where: str, token_ids: Sequence[Any], vocab_size: int) -> list[int]:
+    """``token_ids`` as a list, each an ``int`` in ``[0, vocab_size)``; else a ``ValueError`` naming the first bad
+    id (booleans are no token ids)."""
+    ids = list(token_ids)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"{where}: token id {t!r:.40} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, where: str = "prompt",

@@ -33,7 +33,7 @@ from sarathi_lite.engine.async_engine import AsyncLLMEngine, RequestStream
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.parallel_sampling import child_ids, child_params, pick
-from sarathi_lite.engine.prompts import ContextLengthError, check_context
+from sarathi_lite.engine.prompts import ContextLengthError, check_context, check_token_ids
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.server.config import ServerConfig
 from sarathi_lite.server.errors import APIError, install_error_handlers, sse_error, to_api_error
@@ -116,6 +116,7 @@ class _Server:
         self.model_name = model_name
         self.config = config
         self.max_model_len = self.engine.scheduler_config.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
         self.created = int(time.time())
         # One thread: tokenizers are not safe to call from several threads at once, and one keeps a burst of
         # long prompts from taking more than a core away from the engine thread.
@@ -147,9 +148,13 @@ class _Server:
                                    self.config.completions_default_max_tokens)
             token_ids.append(ids)
             params.append(self._params(body, max_tokens, body.logprobs))
-            if body.echo:
-                echoes.append(prompt if isinstance(prompt, str) else await self._decode(ids))
         group = await self._start(body, token_ids, params, "cmpl")
+        if body.echo:  # after the engine took the ids: only ids inside the vocabulary are decoded
+            try:
+                echoes = [p if isinstance(p, str) else await self._decode(ids) for p, ids in zip(prompts, token_ids)]
+            except BaseException:
+                await group.aclose()
+                raise
         fmt = _Format(self, group.request_id, "text_completion", chat=False, top_logprobs=body.logprobs,
                       echoes=echoes or None)
         return await self._respond(body, group, fmt, request, deadline)
@@ -207,7 +212,10 @@ class _Server:
                                param="prompt")
             tok = self.tokenizer
             return await self._off_loop(lambda: tok(prompt).input_ids)
-        return list(prompt)
+        try:
+            return check_token_ids(where, prompt, self.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
 
     async def _decode(self, token_ids: list[int]) -> str:
         tok = self.tokenizer
