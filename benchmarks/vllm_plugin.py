@@ -1,21 +1,24 @@
 """vLLM's CPU build with its own scheduler against vLLM with sarathi-lite's plugin, online, on this machine.
 
 Every system is an OpenAI-compatible server on loopback, all started first and then driven in alternating rounds
-by the same client (``sarathi_lite.bench.http_client.replay_http``: streamed, greedy, ``ignore_eos``):
+by the same client (``sarathi_lite.bench.http_client.replay_http``: streamed, greedy, ``ignore_eos``). A system
+is named ``kind[@B]``:
 
-- ``vllm``: ``vllm serve`` with its default scheduler (``--max-num-batched-tokens`` B);
-- ``plugin``: the same with ``--scheduler-cls sarathi_lite.integrations.vllm.SarathiScheduler`` and a fixed
-  ``chunk_size`` (default B: the same budget, so what differs is decodes first and head-of-line protection);
-- ``plugin-auto``: the plugin with ``chunk_size="auto"`` at the TBT SLO (``--tbt-slo``) on ``--cost-model``
-  (a profile of this machine, corrected online by the plugin's measured step times);
-- ``sarathi-lite``: our own engine's server on the same model (``sarathi-lite serve``), for the reader.
+- ``vllm@B``: ``vllm serve`` with its default scheduler and ``--max-num-batched-tokens B``; plain ``vllm``: with
+  vLLM's own default budget (what a user gets without tuning);
+- ``plugin@B``: the same with ``--scheduler-cls sarathi_lite.integrations.vllm.SarathiScheduler`` and a fixed
+  ``chunk_size`` B (vLLM's budget too: what differs is decodes first and head-of-line protection);
+- ``plugin-auto[@B]``: the plugin with ``chunk_size="auto"`` at the TBT SLO (``--tbt-slo``) on ``--cost-model``
+  (a profile of this machine, corrected online by the plugin's measured step times), under vLLM's budget B;
+- ``sarathi-lite[@B]``: our own engine's server on the same model, at chunk size B or ``auto``, for the reader.
 
 Workloads: a long-tail mix (``--long-every``-th prompt ``--long-prompt`` tokens, the others 32-256) at ``--qps``,
-with short and long requests' TTFT apart; and the scaled conversation trace at each of ``--rates`` (capacity: the
-highest rate whose P99 TBT meets the SLO with TTFT p50 within ``--max-ttft-p50``; a client cannot see the
-scheduling delay, so the TTFT median stands in for it).
+with short and long requests' TTFT apart (``--long-tail-systems``); and the scaled conversation trace at each of
+``--rates`` (``--capacity-systems``; the fixed budgets swept are the ``vllm@B``). Capacity: the highest rate whose
+P99 TBT meets the SLO with TTFT p50 within ``--max-ttft-p50`` in every round (a client cannot see the scheduling
+delay, so the TTFT median stands in for it); a system that misses at one rate is not run at the higher ones.
 
-    python benchmarks/vllm_plugin.py                      # about 40 minutes on 2 cores, nothing else running
+    python benchmarks/vllm_plugin.py                      # about 50 minutes on 2 cores, nothing else running
     python benchmarks/vllm_plugin.py --quick              # one round, small, a check of the script (minutes)
 
 Prints a table and writes ``--out`` (JSON: command, date, commit, load average; no machine paths).
@@ -88,31 +91,46 @@ class Server:
         self._sink.close()
 
 
-def servers(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Server]:
+def _spec(name: str) -> tuple[str, int | None]:
+    """``"vllm@512"`` -> ``("vllm", 512)``; ``"vllm"`` -> ``("vllm", None)``: vLLM's own default budget."""
+    kind, _, budget = name.partition("@")
+    if kind not in ("vllm", "plugin", "plugin-auto", "sarathi-lite") or (budget and not budget.isdigit()):
+        raise SystemExit(f"unknown system {name!r}: vllm[@B], plugin[@B], plugin-auto[@CAP], sarathi-lite[@B]")
+    return kind, int(budget) if budget else None
+
+
+def servers(args: argparse.Namespace, names: list[str], model: Path, logs: Path) -> dict[str, Server]:
+    """One server per system name (see ``_spec``): ``vllm`` without ``@B`` runs with vLLM's own default
+    ``--max-num-batched-tokens``; the plugins' ``@B`` is vLLM's budget (the fixed plugin's chunk size too, and the
+    cap ``auto`` picks under); ``sarathi-lite@B`` is our server at chunk size B, without ``@B`` at ``auto``."""
     venv_python = Path(args.vllm_venv) / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     common = [str(model), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-              "--max-num-batched-tokens", str(args.budget), "--served-model-name", "m", "--no-enable-prefix-caching"]
+              "--served-model-name", "m", "--no-enable-prefix-caching"]
     vllm = [str(venv_python.with_name("vllm")), "serve"]
-    plugin = {"chunk_size": args.chunk_size or args.budget}
-    auto = {"chunk_size": "auto", "tbt_slo": args.tbt_slo, "cost_model": str(Path(args.cost_model).resolve())}
-    specs = {
-        "vllm": vllm + common,
-        "plugin": vllm + common + ["--scheduler-cls", PLUGIN, "--additional-config",
-                                   json.dumps({"sarathi_lite": plugin})],
-        "plugin-auto": vllm + common + ["--scheduler-cls", PLUGIN, "--additional-config",
-                                        json.dumps({"sarathi_lite": auto})],
-        "sarathi-lite": [sys.executable, "-m", "sarathi_lite", "serve", "--model", str(model), "--host", "127.0.0.1",
-                         "--chunk-size", str(args.chunk_size or args.budget), "--threads", str(args.threads),
-                         "--served-model-name", "m", "--no-enable-prefix-caching"],
-    }
+    cost_model = str(Path(args.cost_model).resolve())
     out = {}
-    for name in args.systems:
+    for name in names:
+        kind, budget = _spec(name)
+        if kind == "sarathi-lite":
+            chunk = ["--chunk-size", str(budget)] if budget else \
+                ["--chunk-size", "auto", "--tbt-slo", str(args.tbt_slo), "--cost-model", cost_model]
+            cmd = [sys.executable, "-m", "sarathi_lite", "serve", "--model", str(model), "--host", "127.0.0.1",
+                   "--threads", str(args.threads), "--served-model-name", "m", "--no-enable-prefix-caching", *chunk]
+        else:
+            if kind != "vllm" and budget is None:
+                budget = args.budget
+            cmd = vllm + common + ([] if budget is None else ["--max-num-batched-tokens", str(budget)])
+            if kind == "plugin":
+                cmd += ["--scheduler-cls", PLUGIN, "--additional-config",
+                        json.dumps({"sarathi_lite": {"chunk_size": budget}})]
+            elif kind == "plugin-auto":
+                cmd += ["--scheduler-cls", PLUGIN, "--additional-config", json.dumps(
+                    {"sarathi_lite": {"chunk_size": "auto", "tbt_slo": args.tbt_slo, "cost_model": cost_model}})]
         port = _free_port()
-        cmd = specs[name] + ["--port", str(port)]
-        out[name] = Server(name, cmd, port, logs / f"{name}.log", env)
+        out[name] = Server(name, cmd + ["--port", str(port)], port, logs / f"{name.replace('@', '_')}.log", env)
     return out
 
 
@@ -129,7 +147,7 @@ def long_tail(args: argparse.Namespace, tmp: Path, seed: int) -> Workload:
 
 
 def conversation(args: argparse.Namespace, qps: float, seed: int) -> Workload:
-    return Workload.from_trace("conversation", num_requests=args.num_requests, qps=qps, prompt_scale=0.25,
+    return Workload.from_trace("conversation", num_requests=args.capacity_requests, qps=qps, prompt_scale=0.25,
                                output_scale=0.25, max_prompt=1024, max_output=128, seed=seed)
 
 
@@ -147,12 +165,20 @@ def summarize(result: Any, long_threshold: int) -> dict[str, Any]:
     return cells
 
 
+def _meets(row: dict[str, Any], args: argparse.Namespace) -> bool:
+    return (row["tbt_p99"] is not None and row["tbt_p99"] <= args.tbt_slo and row["ttft_p50"] is not None
+            and row["ttft_p50"] <= args.max_ttft_p50 and not row["errors"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--systems", nargs="+", default=["vllm", "plugin", "plugin-auto", "sarathi-lite"])
-    p.add_argument("--budget", type=int, default=512, help="vLLM's --max-num-batched-tokens for every system")
-    p.add_argument("--chunk-size", type=int, default=None, help="the plugin's fixed chunk size (default --budget)")
+    p.add_argument("--long-tail-systems", nargs="*", default=["vllm@512", "plugin@512", "plugin-auto"],
+                   help="systems on the long-tail mix (vllm[@B], plugin[@B], plugin-auto[@CAP], sarathi-lite[@B])")
+    p.add_argument("--capacity-systems", nargs="*",
+                   default=["vllm", "vllm@256", "vllm@512", "vllm@1024", "plugin-auto@2048", "sarathi-lite"],
+                   help="systems on the conversation trace at each rate (the fixed budgets swept are vllm@B)")
+    p.add_argument("--budget", type=int, default=512, help="vLLM's budget for plugin / plugin-auto without @B")
     p.add_argument("--tbt-slo", type=float, default=1.065, help="seconds: the README's CPU SLO (P99 TBT)")
     p.add_argument("--max-ttft-p50", type=float, default=2.0, help="seconds, with the SLO, for capacity")
     p.add_argument("--cost-model", default=str(ROOT / "docs" / "sim_profile_smollm2_2026-12-03.json"))
@@ -160,7 +186,10 @@ def main() -> None:
     p.add_argument("--qps", type=float, default=0.5, help="the long-tail mix's rate (requests/s)")
     p.add_argument("--long-prompt", type=int, default=3000)
     p.add_argument("--long-every", type=int, default=8)
-    p.add_argument("--rates", type=float, nargs="+", default=[0.3, 0.5, 0.8])
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.25],
+                   help="the conversation trace's rates, ascending; a system that misses the SLO at one is not run "
+                        "at the higher ones in that round")
+    p.add_argument("--capacity-requests", type=int, default=32, help="requests per conversation cell")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="sarathi-lite's torch threads")
     p.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
@@ -169,37 +198,50 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_plugin.json"))
     args = p.parse_args()
     if args.quick:
-        args.rounds, args.num_requests, args.rates, args.long_prompt, args.long_every = 1, 8, [0.5], 600, 4
+        args.rounds, args.num_requests, args.capacity_requests, args.rates = 1, 8, 8, [0.5]
+        args.long_prompt, args.long_every = 600, 4
     if not (Path(args.vllm_venv) / "bin" / "python").exists():
         sys.exit(f"vLLM is not installed at {args.vllm_venv}: run scripts/setup_vllm.sh first")
+    if args.rates != sorted(args.rates):
+        sys.exit(f"--rates {args.rates} must be ascending")
     model = Path(args.model) if args.model else Path(builtin.resolve_model("smollm2-135m"))
     tmp = Path(tempfile.mkdtemp(prefix="vllm-plugin-"))
-    running = servers(args, model, tmp)
+    names = list(dict.fromkeys(args.long_tail_systems + args.capacity_systems))
+    running = servers(args, names, model, tmp)
     rows: list[dict[str, Any]] = []
     started = time.time()
+
+    def drive(name: str, workload_name: str, qps: float, rnd: int, wl: Workload) -> dict[str, Any]:
+        load = os.getloadavg()[0]
+        result = replay_http(wl, running[name].url, model="m", progress=False, timeout=900.0)
+        row = {"system": name, "workload": workload_name, "qps": qps, "round": rnd, "load_average": round(load, 2),
+               **summarize(result, args.long_prompt)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
     try:
         startup = {name: round(s.wait(args.start_timeout), 1) for name, s in running.items()}
         for rnd in range(args.rounds):
-            order = list(running) if rnd % 2 == 0 else list(reversed(running))
-            jobs = [("long-tail", args.qps, long_tail(args, tmp, rnd))]
-            jobs += [("conversation", q, conversation(args, q, rnd)) for q in args.rates]
-            for workload_name, qps, wl in jobs:
-                for name in order:
-                    load = os.getloadavg()[0]
-                    result = replay_http(wl, running[name].url, model="m", progress=False, timeout=900.0)
-                    row = {"system": name, "workload": workload_name, "qps": qps, "round": rnd,
-                           "load_average": round(load, 2), **summarize(result, args.long_prompt)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            flip = (lambda xs: list(xs)) if rnd % 2 == 0 else (lambda xs: list(reversed(xs)))
+            wl = long_tail(args, tmp, rnd)
+            for name in flip(args.long_tail_systems):
+                drive(name, "long-tail", args.qps, rnd, wl)
+            failed: set[str] = set()
+            for q in args.rates:
+                wl = conversation(args, q, rnd)
+                for name in flip(args.capacity_systems):
+                    if name not in failed and not _meets(drive(name, "conversation", q, rnd, wl), args):
+                        failed.add(name)
     finally:
         for s in running.values():
             s.stop()
     capacity = {}
-    for name in running:
+    for name in args.capacity_systems:
+        mine = [r for r in rows if r["system"] == name and r["workload"] == "conversation"]
         passing = [q for q in args.rates
-                   if all(r["tbt_p99"] is not None and r["tbt_p99"] <= args.tbt_slo
-                          and r["ttft_p50"] is not None and r["ttft_p50"] <= args.max_ttft_p50
-                          for r in rows if r["system"] == name and r["workload"] == "conversation" and r["qps"] == q)]
+                   if len([r for r in mine if r["qps"] == q]) == args.rounds
+                   and all(_meets(r, args) for r in mine if r["qps"] <= q)]
         capacity[name] = max(passing, default=0.0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
@@ -208,7 +250,8 @@ def main() -> None:
               "commit": commit, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
               "startup_s": startup, "capacity_rps": capacity, "rows": rows,
               "options": {k: v for k, v in vars(args).items() if k not in ("model", "vllm_venv", "out",
-                                                                          "cost_model")}}
+                                                                          "cost_model")},
+              "cost_model": Path(args.cost_model).name}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -217,10 +260,12 @@ def main() -> None:
     for name in running:
         for workload_name, qps in sorted({(r["workload"], r["qps"]) for r in rows}):
             cell = [r for r in rows if r["system"] == name and r["workload"] == workload_name and r["qps"] == qps]
+            if not cell:
+                continue
             vals = [np.median([r[k] for r in cell if r.get(k) is not None]) if any(r.get(k) is not None for r in cell)
                     else float("nan") for k in keys]
             print(f"{name:14} {workload_name:13} {qps:5.2f} " + " ".join(f"{v:15.3f}" for v in vals))
-    print("capacity (req/s, highest rate meeting the SLO):", capacity, "| startup (s):", startup)
+    print("capacity (req/s, highest rate meeting the SLO in every round):", capacity, "| startup (s):", startup)
 
 
 if __name__ == "__main__":
