@@ -1,6 +1,6 @@
 """vLLM's CPU build with its own scheduler against vLLM with sarathi-lite's plugin, online, on this machine.
 
-Every system is an OpenAI-compatible server on loopback, all started first and then driven in alternating rounds
+Every system is an OpenAI-compatible server on loopback; a workload's servers are all started first, then driven in alternating rounds
 by the same client (``sarathi_lite.bench.http_client.replay_http``: streamed, greedy, ``ignore_eos``). A system
 is named ``kind[@B]``:
 
@@ -173,10 +173,10 @@ def _meets(row: dict[str, Any], args: argparse.Namespace) -> bool:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--long-tail-systems", nargs="*", default=["vllm@512", "plugin@512", "plugin-auto"],
+    p.add_argument("--long-tail-systems", nargs="*", default=["vllm@512", "plugin@512", "plugin-auto@2048"],
                    help="systems on the long-tail mix (vllm[@B], plugin[@B], plugin-auto[@CAP], sarathi-lite[@B])")
     p.add_argument("--capacity-systems", nargs="*",
-                   default=["vllm", "vllm@256", "vllm@512", "vllm@1024", "plugin-auto@2048", "sarathi-lite"],
+                   default=["vllm", "vllm@256", "vllm@512", "plugin-auto@2048", "sarathi-lite"],
                    help="systems on the conversation trace at each rate (the fixed budgets swept are vllm@B)")
     p.add_argument("--budget", type=int, default=512, help="vLLM's budget for plugin / plugin-auto without @B")
     p.add_argument("--tbt-slo", type=float, default=1.065, help="seconds: the README's CPU SLO (P99 TBT)")
@@ -206,36 +206,43 @@ def main() -> None:
         sys.exit(f"--rates {args.rates} must be ascending")
     model = Path(args.model) if args.model else Path(builtin.resolve_model("smollm2-135m"))
     tmp = Path(tempfile.mkdtemp(prefix="vllm-plugin-"))
-    names = list(dict.fromkeys(args.long_tail_systems + args.capacity_systems))
-    running = servers(args, names, model, tmp)
     rows: list[dict[str, Any]] = []
+    startup: dict[str, dict[str, float]] = {}
     started = time.time()
 
-    def drive(name: str, workload_name: str, qps: float, rnd: int, wl: Workload) -> dict[str, Any]:
+    def drive(url: str, name: str, workload_name: str, qps: float, rnd: int, wl: Workload) -> dict[str, Any]:
         load = os.getloadavg()[0]
-        result = replay_http(wl, running[name].url, model="m", progress=False, timeout=900.0)
+        result = replay_http(wl, url, model="m", progress=False, timeout=900.0)
         row = {"system": name, "workload": workload_name, "qps": qps, "round": rnd, "load_average": round(load, 2),
                **summarize(result, args.long_prompt)}
         rows.append(row)
         print(json.dumps(row), flush=True)
         return row
 
-    try:
-        startup = {name: round(s.wait(args.start_timeout), 1) for name, s in running.items()}
-        for rnd in range(args.rounds):
-            flip = (lambda xs: list(xs)) if rnd % 2 == 0 else (lambda xs: list(reversed(xs)))
-            wl = long_tail(args, tmp, rnd)
-            for name in flip(args.long_tail_systems):
-                drive(name, "long-tail", args.qps, rnd, wl)
-            failed: set[str] = set()
-            for q in args.rates:
-                wl = conversation(args, q, rnd)
-                for name in flip(args.capacity_systems):
-                    if name not in failed and not _meets(drive(name, "conversation", q, rnd, wl), args):
-                        failed.add(name)
-    finally:
-        for s in running.values():
-            s.stop()
+    # One phase per workload, each with only its own servers up: a vLLM-CPU server holds about 3-4 GB (its
+    # worker, engine core and API server), so more than four at once do not fit in 24 GB.
+    for phase, names in (("long-tail", args.long_tail_systems), ("conversation", args.capacity_systems)):
+        if not names:
+            continue
+        running = servers(args, names, model, tmp)
+        try:
+            startup[phase] = {name: round(s.wait(args.start_timeout), 1) for name, s in running.items()}
+            for rnd in range(args.rounds):
+                order = names if rnd % 2 == 0 else names[::-1]
+                if phase == "long-tail":
+                    wl = long_tail(args, tmp, rnd)
+                    for name in order:
+                        drive(running[name].url, name, phase, args.qps, rnd, wl)
+                    continue
+                failed: set[str] = set()
+                for q in args.rates:
+                    wl = conversation(args, q, rnd)
+                    for name in order:
+                        if name not in failed and not _meets(drive(running[name].url, name, phase, q, rnd, wl), args):
+                            failed.add(name)
+        finally:
+            for s in running.values():
+                s.stop()
     capacity = {}
     for name in args.capacity_systems:
         mine = [r for r in rows if r["system"] == name and r["workload"] == "conversation"]
@@ -256,15 +263,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     keys = ("ttft_p50", "short_ttft_p99", "long_ttft_p99", "tbt_p50", "tbt_p99", "throughput_output_tokens_per_s")
-    print(f"\n{'system':14} {'workload':13} {'qps':>5} " + " ".join(f"{k:>15}" for k in keys))
-    for name in running:
+    print(f"\n{'system':16} {'workload':13} {'qps':>5} " + " ".join(f"{k:>15}" for k in keys))
+    for name in dict.fromkeys(r["system"] for r in rows):
         for workload_name, qps in sorted({(r["workload"], r["qps"]) for r in rows}):
             cell = [r for r in rows if r["system"] == name and r["workload"] == workload_name and r["qps"] == qps]
             if not cell:
                 continue
             vals = [np.median([r[k] for r in cell if r.get(k) is not None]) if any(r.get(k) is not None for r in cell)
                     else float("nan") for k in keys]
-            print(f"{name:14} {workload_name:13} {qps:5.2f} " + " ".join(f"{v:15.3f}" for v in vals))
+            print(f"{name:16} {workload_name:13} {qps:5.2f} " + " ".join(f"{v:15.3f}" for v in vals))
     print("capacity (req/s, highest rate meeting the SLO in every round):", capacity, "| startup (s):", startup)
 
 
