@@ -1,8 +1,8 @@
 """vLLM's CPU build with its own scheduler against vLLM with sarathi-lite's plugin, online, on this machine.
 
-Every system is an OpenAI-compatible server on loopback; a workload's servers are all started first, then driven in alternating rounds
-by the same client (``sarathi_lite.bench.http_client.replay_http``: streamed, greedy, ``ignore_eos``). A system
-is named ``kind[@B]``:
+Every system is an OpenAI-compatible server on loopback; a workload's servers are all started first, then driven
+in alternating rounds by the same client (``sarathi_lite.bench.http_client.replay_http``: streamed, greedy,
+``ignore_eos``). A system is named ``kind[@B]``:
 
 - ``vllm@B``: ``vllm serve`` with its default scheduler and ``--max-num-batched-tokens B``; plain ``vllm``: with
   vLLM's own default budget (what a user gets without tuning);
@@ -238,7 +238,9 @@ def main() -> None:
                 for q in args.rates:
                     wl = conversation(args, q, rnd)
                     for name in order:
-                        if name not in failed and not _meets(drive(running[name].url, name, phase, q, rnd, wl), args):
+                        if name in failed:
+                            continue
+                        if not _meets(drive(running[name].url, name, phase, q, rnd, wl), args):
                             failed.add(name)
         finally:
             for s in running.values():
