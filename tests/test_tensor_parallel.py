@@ -251,11 +251,13 @@ def test_a_killed_worker_makes_rank_0_raise_a_clear_error_not_hang(tp_checkpoint
     engine.step()
     os.kill(procs[0].pid, signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(pid \d+\) was killed by signal 9"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - t0 < worker.COLLECTIVE_TIMEOUT  # a bound on hanging, not a speed claim
-    engine.shutdown()
+    try:
+        with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(pid \d+\) was killed by signal 9"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - t0 < worker.COLLECTIVE_TIMEOUT  # a bound on hanging, not a speed claim
+    finally:  # a failure here must not leave the process group to the next test
+        engine.shutdown()
     assert mp.active_children() == [] and not dist.is_initialized()
 
 

@@ -57,7 +57,7 @@ from sarathi_lite.engine.prompts import check_token_ids
 from sarathi_lite.engine.p2p_connector import P2PKVConnector
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
-from sarathi_lite.engine.worker import _SHUTDOWN_GRACE, _free_port
+from sarathi_lite.engine.worker import _EXIT_WAIT, _SHUTDOWN_GRACE, _free_port
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
@@ -293,7 +293,7 @@ class Instance:
         try:
             status, result, load = self.conn.recv()
         except (EOFError, OSError):
-            time.sleep(0.2)  # its exit code shows up a moment after the pipe closes
+            self.process.join(_EXIT_WAIT)  # its exit code shows up a moment after the pipe closes
             self.check_alive()
             raise InstanceLost(f"instance {self.name} (pid {self.process.pid}) closed its pipe") from None
         if load is not None:

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ COLLECTIVE_TIMEOUT = 60.0
 """Seconds a rank waits in a forward-pass collective (and for spawned workers to join) before giving up."""
 _IDLE_TIMEOUT = timedelta(days=7)  # the control group: workers wait this long for rank 0's next step
 _SHUTDOWN_GRACE = 5.0  # seconds a worker gets to leave by itself before it is terminated
+_EXIT_WAIT = 5.0  # seconds a failed collective waits for a worker's exit code, to name the worker that died
 
 
 @dataclass(slots=True)
@@ -374,7 +376,9 @@ class WorkerGroup:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo and NCCL errors are RuntimeErrors (DistBackendError among them)
-            time.sleep(0.2)  # a killed worker's exit code shows up a moment after its sockets close
+            # a killed worker's sockets close before its exit code shows up, later still on a loaded machine:
+            # wait (on the failure path only) until one has exited, or up to _EXIT_WAIT seconds
+            mp_connection.wait([p.sentinel for p in self.processes], timeout=_EXIT_WAIT)
             self.check_alive()
             self.failed = f"a tensor-parallel step failed (the workers may be out of step now): {e}"
             raise RuntimeError(self.failed) from e
