@@ -1,8 +1,8 @@
 """vLLM's CPU build with its own scheduler against vLLM with sarathi-lite's plugin, online, on this machine.
 
-Every system is an OpenAI-compatible server on loopback; a workload's servers are all started first, then driven
-in alternating rounds by the same client (``sarathi_lite.bench.http_client.replay_http``: streamed, greedy,
-``ignore_eos``). A system is named ``kind[@B]``:
+Every system is an OpenAI-compatible server on loopback; a workload's servers are all started first (an idle
+server takes no CPU), warmed up (``warm_up``), then driven in alternating rounds by the same client
+(``sarathi_lite.bench.http_client.replay_http``: streamed, greedy, ``ignore_eos``). A system is named ``kind[@B]``:
 
 - ``vllm@B``: ``vllm serve`` with its default scheduler and ``--max-num-batched-tokens B``; plain ``vllm``: with
   vLLM's own default budget (what a user gets without tuning);
@@ -18,7 +18,7 @@ with short and long requests' TTFT apart (``--long-tail-systems``); and the scal
 P99 TBT meets the SLO with TTFT p50 within ``--max-ttft-p50`` in every round (a client cannot see the scheduling
 delay, so the TTFT median stands in for it); a system that misses at one rate is not run at the higher ones.
 
-    python benchmarks/vllm_plugin.py                      # about 50 minutes on 2 cores, nothing else running
+    python benchmarks/vllm_plugin.py                      # about 45 minutes on 2 cores, nothing else running
     python benchmarks/vllm_plugin.py --quick              # one round, small, a check of the script (minutes)
 
 Prints a table and writes ``--out`` (JSON: command, date, commit, load average; no machine paths).
@@ -151,6 +151,28 @@ def conversation(args: argparse.Namespace, qps: float, seed: int) -> Workload:
                                output_scale=0.25, max_prompt=1024, max_output=128, seed=seed)
 
 
+WARM_UP_LOAD, WARM_UP_WAIT = 1.0, 180.0
+"""After the warm-up, measuring starts once the 1-minute load average is under WARM_UP_LOAD (or WARM_UP_WAIT s)."""
+
+
+def warm_up(running: dict[str, Server], tmp: Path) -> None:
+    """Send every server a few requests of the step sizes the workloads bring (prompts of 32 to 2,000 tokens, some
+    at once), discarded: a server's first steps of a new size are slower (its CPU kernels pick their primitives on
+    first use), and the first system measured after start-up must not pay for it alone. Then wait for the machine
+    to settle (``WARM_UP_LOAD``)."""
+    path = tmp / "warm_up.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["num_prefill_tokens", "num_decode_tokens"])
+        for prompt in (32, 96, 256, 700, 2000, 64, 128, 512):
+            w.writerow([prompt, 16])
+    for server in running.values():
+        replay_http(Workload.from_trace(path, qps=4.0, seed=0), server.url, model="m", progress=False, timeout=600.0)
+    deadline = time.monotonic() + WARM_UP_WAIT
+    while os.getloadavg()[0] > WARM_UP_LOAD and time.monotonic() < deadline:
+        time.sleep(5.0)
+
+
 def summarize(result: Any, long_threshold: int) -> dict[str, Any]:
     s = result.summary()
     cells = {k: s.get(k) for k in ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99", "throughput_output_tokens_per_s",
@@ -186,7 +208,7 @@ def main() -> None:
     p.add_argument("--qps", type=float, default=0.5, help="the long-tail mix's rate (requests/s)")
     p.add_argument("--long-prompt", type=int, default=3000)
     p.add_argument("--long-every", type=int, default=8)
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.25],
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5, 2.0],
                    help="the conversation trace's rates, ascending; a system that misses the SLO at one is not run "
                         "at the higher ones in that round")
     p.add_argument("--capacity-requests", type=int, default=32, help="requests per conversation cell")
@@ -227,6 +249,7 @@ def main() -> None:
         running = servers(args, names, model, tmp)
         try:
             startup[phase] = {name: round(s.wait(args.start_timeout), 1) for name, s in running.items()}
+            warm_up(running, tmp)
             for rnd in range(args.rounds):
                 order = names if rnd % 2 == 0 else names[::-1]
                 if phase == "long-tail":
