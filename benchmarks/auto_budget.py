@@ -16,7 +16,7 @@ The CPU profile has jitter (single steps spread to 1.25x of the typical one), wh
 step: ``auto`` fills every step to its target, so its safety factor must leave room for that spread (0.8); the
 roofline is deterministic (0.9, the default).
 
-    python benchmarks/auto_budget.py --out docs/auto_budget.json
+    python benchmarks/auto_budget.py --out benchmarks/results/auto_budget.json
 
 Each search uses 12 probes by default; `--fixed` replaces the fixed chunk sizes compared (e.g. steps of one block).
 
@@ -43,7 +43,7 @@ from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
 
 FIXED = (32, 64, 128, 256, 512, 1024, 2048)
-PROFILE = Path(__file__).resolve().parents[1] / "docs" / "sim_profile_smollm2.json"
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim_profile_smollm2.json"
 
 
 @dataclass(frozen=True)
