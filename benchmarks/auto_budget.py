@@ -100,7 +100,7 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
     slo = SLO(setup.tbt_slo)
     # The paper's budget filling (first come, first served) and no prefix cache, for every configuration alike:
     # head-of-line protection lets short requests pass long ones, which moves the median scheduling delay the
-    # capacity is defined by, and its default long threshold follows the chunk size (see docs/results/auto_budget.md).
+    # capacity is defined by, and its default long threshold follows the chunk size (see docs/design/scheduler.md).
     options = {"tbt_slo": setup.tbt_slo, "budget_safety": setup.budget_safety, "hol_protection": False,
                "enable_prefix_caching": False}
     lo, hi = setup.qps_range

@@ -26,8 +26,8 @@ a cell at lower link bandwidths until it stops beating colocation.
         --max-requests 1500                                            # one map and the bandwidth sweep: ~3 min
     python benchmarks/colocate_vs_disaggregate.py                      # everything: over 40 min on 2 shared cores
 
-The maps in docs/design/disaggregation.md come from several such runs (the commands are listed there); 8 GPUs of
-Llama-3-8B (15 organizations, rates up to ~300 req/s) is the slow part.
+The maps in docs/results/colocate_vs_disaggregate.md come from several such runs (the commands are listed there);
+8 GPUs of Llama-3-8B (15 organizations, rates up to ~300 req/s) is the slow part.
 
 Prints the maps and the sweep as markdown and writes ``--out`` (default
 benchmarks/results/colocate_vs_disaggregate.json).

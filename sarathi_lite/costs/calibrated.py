@@ -134,7 +134,8 @@ class Collective:
     messages (the average slope over the upper half of the measured sizes).
 
     The table follows the measurements, so it is not non-decreasing everywhere: NCCL switches protocol and
-    algorithm at size thresholds and a larger message can be cheaper (docs/guides/gpu_calibration.md, "Collectives")."""
+    algorithm at size thresholds and a larger message can be cheaper (docs/results/gpu_calibration.md,
+    "Collectives")."""
 
     knots: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
 

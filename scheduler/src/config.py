@@ -13,7 +13,8 @@ from .registry import chunked_policy_names, is_chunked, policy_class
 HOL_ADMISSION_BOUND = 1
 # With hol_protection and a fixed chunk_size, a prompt is long (by default) when its prefill needs more than this many
 # iterations' budgets. One chunk made every ordinary prompt above the budget "long" and cost capacity on ordinary
-# traffic; four keeps every measured ordinary trace unchanged (docs/guides/benchmarking.md, head-of-line protection).
+# traffic; four keeps every measured ordinary trace unchanged (docs/design/scheduler.md, head-of-line protection;
+# docs/results/hol_protection.md).
 LONG_PROMPT_CHUNKS = 4
 
 
