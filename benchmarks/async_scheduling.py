@@ -11,7 +11,7 @@ must be equal (checked).
 
     python benchmarks/async_scheduling.py --threads 1                 # ~3 minutes on this CPU
 
-Prints a table and writes JSON (default docs/async_scheduling.json).
+Prints a table and writes JSON (default benchmarks/results/async_scheduling.json).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path("docs/async_scheduling.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/async_scheduling.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = dict(chunk_size=args.chunk_size, device="cpu")

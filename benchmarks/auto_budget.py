@@ -16,7 +16,7 @@ The CPU profile has jitter (single steps spread to 1.25x of the typical one), wh
 step: ``auto`` fills every step to its target, so its safety factor must leave room for that spread (0.8); the
 roofline is deterministic (0.9, the default).
 
-    python benchmarks/auto_budget.py --out docs/auto_budget.json
+    python benchmarks/auto_budget.py --out benchmarks/results/auto_budget.json
 
 Each search uses 12 probes by default; `--fixed` replaces the fixed chunk sizes compared (e.g. steps of one block).
 
@@ -43,7 +43,7 @@ from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
 
 FIXED = (32, 64, 128, 256, 512, 1024, 2048)
-PROFILE = Path(__file__).resolve().parents[1] / "docs" / "sim_profile_smollm2.json"
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim_profile_smollm2.json"
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
     slo = SLO(setup.tbt_slo)
     # The paper's budget filling (first come, first served) and no prefix cache, for every configuration alike:
     # head-of-line protection lets short requests pass long ones, which moves the median scheduling delay the
-    # capacity is defined by, and its default long threshold follows the chunk size (see docs/auto_budget.md).
+    # capacity is defined by, and its default long threshold follows the chunk size (see docs/design/scheduler.md).
     options = {"tbt_slo": setup.tbt_slo, "budget_safety": setup.budget_safety, "hol_protection": False,
                "enable_prefix_caching": False}
     lo, hi = setup.qps_range

@@ -26,10 +26,11 @@ a cell at lower link bandwidths until it stops beating colocation.
         --max-requests 1500                                            # one map and the bandwidth sweep: ~3 min
     python benchmarks/colocate_vs_disaggregate.py                      # everything: over 40 min on 2 shared cores
 
-The maps in docs/disaggregation.md come from several such runs (the commands are listed there); 8 GPUs of
-Llama-3-8B (15 organizations, rates up to ~300 req/s) is the slow part.
+The maps in docs/results/colocate_vs_disaggregate.md come from several such runs (the commands are listed there);
+8 GPUs of Llama-3-8B (15 organizations, rates up to ~300 req/s) is the slow part.
 
-Prints the maps and the sweep as markdown and writes ``--out`` (default docs/colocate_vs_disaggregate.json).
+Prints the maps and the sweep as markdown and writes ``--out`` (default
+benchmarks/results/colocate_vs_disaggregate.json).
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="price steps with the analytic roofline formula (roofline-uncalibrated:), as the maps made "
                         "before the calibration did")
     p.add_argument("--quick", action="store_true", help="8B, conversation, 2 GPUs, 100 requests, 3 bandwidths")
-    p.add_argument("--out", default="docs/colocate_vs_disaggregate.json")
+    p.add_argument("--out", default="benchmarks/results/colocate_vs_disaggregate.json")
     args = p.parse_args(argv)
     if args.quick:
         args.setups, args.traces, args.gpus, args.requests = ["llama3-8b"], ["conversation"], [2], 100

@@ -17,7 +17,7 @@ the relative error (predicted / measured - 1) of every cell.
 
     python benchmarks/disagg_real.py --num-requests 60 --qps 0.5 --rounds 2
 
-Prints the table and writes JSON (``--out``, default docs/disagg_real.json).
+Prints the table and writes JSON (``--out``, default benchmarks/results/disagg_real.json).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.sim import simulator as sim
 from sarathi_lite.sim.disagg import Deployment, Link, simulate
 
-PROFILE = Path(__file__).resolve().parents[1] / "docs" / "sim_profile_smollm2.json"
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim_profile_smollm2.json"
 LAYOUTS = ("1P1D", "2")
 METRICS = ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99", "transfer_p50", "ttft_slo", "tbt_slo", "both_slo",
            "throughput_tokens_per_s")
@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
                     help="bytes/s of the simulated CPU-loopback link (default: measured in the 1P1D runs)")
     ap.add_argument("--profile", default=str(PROFILE))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("docs/disagg_real.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/disagg_real.json"))
     return ap.parse_args()
 
 

@@ -1,7 +1,7 @@
 """How well the calibrated GPU cost model predicts measured GPU timings, model by model, against the uncalibrated
 roofline formula; leave-one-model-out validation; collective curves against their measurements.
 
-    python benchmarks/gpu_calibration.py --profiles DIR --out docs/gpu_calibration.json
+    python benchmarks/gpu_calibration.py --profiles DIR --out benchmarks/results/gpu_calibration.json
     python benchmarks/gpu_calibration.py --profiles DIR --write-package-data
 
 DIR is a copy of Vidur's measured profiles (``data/profiling`` of https://github.com/microsoft/vidur, MIT; the

@@ -36,7 +36,7 @@ rounds).
     python benchmarks/hol_protection.py                                 # simulated only, a few minutes
     python benchmarks/hol_protection.py --real --threads 1              # plus the real CPU runs
 
-Prints the tables and writes ``--out`` (default docs/hol_protection.json) and the real runs' JSON under
+Prints the tables and writes ``--out`` (default benchmarks/results/hol_protection.json) and the real runs' JSON under
 ``--results``.
 """
 
@@ -70,7 +70,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "protected+t256": {"long_prefill_token_threshold": 256},
 }
 ORDINARY_CHUNKS = (64, 128, 256, 512, 1024, 2048)
-PROFILE = Path(__file__).resolve().parents[1] / "docs" / "sim_profile_smollm2.json"
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim_profile_smollm2.json"
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def parse_args() -> argparse.Namespace:
                     help="the profiled SmolLM2 cost model the real run is predicted with")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of the real run")
     ap.add_argument("--results", type=Path, default=Path("results/hol_protection"))
-    ap.add_argument("--out", type=Path, default=Path("docs/hol_protection.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hol_protection.json"))
     return ap.parse_args()
 
 

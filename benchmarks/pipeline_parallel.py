@@ -28,7 +28,7 @@ lowest of their relaxed capacities).
     python benchmarks/pipeline_parallel.py                       # 27 min on a 2-core VM under load
     python benchmarks/pipeline_parallel.py --models falcon-180b --traces conversation --probes 6   # a quick look
 
-Prints the tables and writes ``--out`` (default docs/pipeline_parallel.json).
+Prints the tables and writes ``--out`` (default benchmarks/results/pipeline_parallel.json).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--chunk-strict", type=int, default=512)
     ap.add_argument("--chunk-relaxed", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "pipeline_parallel.json")
+    ap.add_argument("--out", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "pipeline_parallel.json")
     return ap.parse_args()
 
 

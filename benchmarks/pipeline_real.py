@@ -9,7 +9,7 @@ stages (``PipelineCostModel``).
 
     python benchmarks/pipeline_real.py --threads 1
 
-Prints a table and writes JSON (default docs/pipeline_real.json).
+Prints a table and writes JSON (default benchmarks/results/pipeline_real.json).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from sarathi_lite.sim.pipeline import PipelineCostModel, head_layer_units, simul
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import load_rows, make_prompts  # noqa: E402
 
-PROFILE = Path(__file__).resolve().parents[1] / "docs" / "sim_profile_smollm2.json"
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim_profile_smollm2.json"
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], outputs: list[int], keep_prefix_cache: bool = False
@@ -71,7 +71,7 @@ def main() -> None:
                          "all requests start decoding in the same iteration (decodes that become ready together)")
     ap.add_argument("--balance", choices=("on", "off"), default="on",
                     help="balance_micro_batches of every engine")
-    ap.add_argument("--out", type=Path, default=Path("docs/pipeline_real.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline_real.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = dict(chunk_size=args.chunk_size, device="cpu", num_kv_blocks=1024,

@@ -3,7 +3,7 @@ uncalibrated, under the paper's strict and relaxed P99 TBT SLOs: every probe of 
 quantities the paper's capacity is defined by (P99 TBT, median scheduling delay) and what explains them
 (preemptions, the longest stall, the share of token gaps over the SLO, the batch sizes).
 
-    python benchmarks/sarathi_serve_slo.py --requests 400 --probes 7 --out docs/sarathi_serve_slo.json
+    python benchmarks/sarathi_serve_slo.py --requests 400 --probes 7 --out benchmarks/results/sarathi_serve_slo.json
 
 Simulation only (no timing), about 15 minutes on 2 cores. The notebook examples/reproduce_sarathi_serve.ipynb
 quotes its findings.

@@ -22,8 +22,9 @@ comparison.
 
     python benchmarks/serving.py --threads 1        # about 31 minutes on 2 CPU cores
 
-Writes every run's JSON and CSVs under ``--results`` (default results/serving), and the figures,
-``serving_results.md`` and ``serving_results.json`` under ``--docs`` (default docs/).
+Writes every run's JSON and CSVs under ``--results`` (default results/serving), the figures under ``--figures``
+(default docs/results/, beside the results page), and ``serving_results.md`` and ``serving_results.json`` under
+``--report`` (default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--probes", type=int, default=6, help="capacity probes per policy")
     ap.add_argument("--qps", type=float, default=None, help="load of the comparison (default: sarathi's capacity)")
     ap.add_argument("--results", type=Path, default=Path("results/serving"))
-    ap.add_argument("--docs", type=Path, default=Path("docs"))
+    ap.add_argument("--figures", type=Path, default=Path("docs/results"))
+    ap.add_argument("--report", type=Path, default=Path("benchmarks/results"))
     return ap.parse_args()
 
 
@@ -148,7 +150,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     command = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
     t_start = time.perf_counter()
-    args.docs.mkdir(parents=True, exist_ok=True)
+    args.figures.mkdir(parents=True, exist_ok=True)
+    args.report.mkdir(parents=True, exist_ok=True)
     log(f"{command}\n{machine()}")
 
     # 1. cost per token and the SLO
@@ -172,7 +175,7 @@ def main() -> None:
         for p in c.probes:
             p.result.to_json(cap_dir / f"{c.label.replace('/', '_')}_qps{p.qps:.3f}.json")
     log("capacity:\n" + "\n".join(capacity_rows(found)))
-    plot_capacity(found, args.docs / "serving_capacity.png")
+    plot_capacity(found, args.figures / "serving_capacity.png")
 
     # 3. every policy and chunk size at one load
     sarathi_cap = next((c.capacity for c in found if c.label == f"sarathi/{args.chunk_size}"), None)
@@ -191,8 +194,8 @@ def main() -> None:
     sweep.sort(key=lambda r: r.config["chunk_size"])
     log(f"policies at chunk size {args.chunk_size}, {qps:.3f} req/s:\n{compare(policy_results)}")
     log(f"sarathi chunk sizes:\n{compare(sweep)}")
-    plot_results(policy_results, args.docs / "serving_policies.png")
-    plot_results(sweep, args.docs / "serving_chunk_sweep.png", max_timelines=len(sweep))
+    plot_results(policy_results, args.figures / "serving_policies.png")
+    plot_results(sweep, args.figures / "serving_chunk_sweep.png", max_timelines=len(sweep))
 
     verdict = checks(by_label, sweep, found, args.chunk_size)
     elapsed = time.perf_counter() - t_start
@@ -206,7 +209,7 @@ def main() -> None:
               "load_average_per_run": {r.label: [r.meta["load_average_start"][0], r.meta["load_average_end"][0]]
                                        for r in results},
               "checks": verdict}
-    (args.docs / "serving_results.json").write_text(json.dumps(report, indent=1))
+    (args.report / "serving_results.json").write_text(json.dumps(report, indent=1))
     md = [f"Command: `{command}`  ", f"Date: {report['date']}; machine: {report['machine']}; "
           f"{elapsed / 60:.0f} minutes.", "",
           "Cost per token:", "", "```", cost.table(), "```", "",
@@ -216,8 +219,9 @@ def main() -> None:
           f"Policies at chunk size {args.chunk_size} ({workload.describe()}):", "",
           compare_markdown(policy_results), "", "Sarathi chunk sizes, same workload:", "", compare_markdown(sweep),
           "", "Checks:", "", "```", json.dumps(verdict, indent=1), "```"]
-    (args.docs / "serving_results.md").write_text("\n".join(md) + "\n")
-    log(f"checks: {json.dumps(verdict, indent=1)}\nwrote {args.docs}/serving_*.png, serving_results.md/json and "
+    (args.report / "serving_results.md").write_text("\n".join(md) + "\n")
+    log(f"checks: {json.dumps(verdict, indent=1)}\nwrote {args.figures}/serving_*.png, "
+        f"{args.report}/serving_results.md/json and "
         f"{args.results}/ in {elapsed / 60:.1f} minutes")
 
 

@@ -1,7 +1,7 @@
 """How much faster ``sarathi_lite.sim.sweep`` runs on a local process pool and on a local Ray cluster than serially,
 on one sweep whose rows must come out identical.
 
-    python benchmarks/sweep_speed.py --workers 2 --out docs/sweep_speed.json
+    python benchmarks/sweep_speed.py --workers 2 --out benchmarks/results/sweep_speed.json
 
 The sweep: the conversation trace at full length (``--num-requests`` requests) on the calibrated H100 Llama-3-8B
 model, ``sarathi`` at chunk sizes 256-2048 and ``vllm``, at ``--rates`` arrival rates: one simulation per point.

@@ -203,7 +203,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=512, help="vLLM's budget for plugin / plugin-auto without @B")
     p.add_argument("--tbt-slo", type=float, default=1.065, help="seconds: the README's CPU SLO (P99 TBT)")
     p.add_argument("--max-ttft-p50", type=float, default=2.0, help="seconds, with the SLO, for capacity")
-    p.add_argument("--cost-model", default=str(ROOT / "docs" / "sim_profile_smollm2_2026-12-03.json"))
+    p.add_argument("--cost-model", default=str(ROOT / "benchmarks" / "results" / "sim_profile_smollm2_2026-12-03.json"))
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--qps", type=float, default=0.5, help="the long-tail mix's rate (requests/s)")
     p.add_argument("--long-prompt", type=int, default=3000)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The prepared device check for a session lent a CUDA GPU (run through the device tool, in the repo root; docs/gpu.md
-# says how to prepare and carry what it needs, and how long it takes):
+# The prepared device check for a session lent a CUDA GPU (run through the device tool, in the repo root;
+# docs/guides/gpu_check.md says how to prepare and carry what it needs, and how long it takes):
 #   1. FlashInfer vs the torch reference: attention on random hybrid batches (bf16/fp16), fused ops, sampling;
 #      and the CPU conformance tests against the carried wheel;
 #   2. Hugging Face parity on CUDA (float32 exact; FlashInfer bf16 within bf16 rounding);

@@ -1,10 +1,15 @@
 """The layout holds: module-level imports form no cycle, every import follows an allowed arrow between packages
-(docs/architecture.md), every import inside a function is on a short list of deliberate ones, and the torch-free
-modules stay torch-free in a fresh interpreter."""
+and docs/design/architecture.md's import table names exactly the arrows there are, every import inside a function
+is on a short list of deliberate ones, and the torch-free modules stay torch-free in a fresh interpreter. The
+documentation's layout holds too: README.md stays short, every page under docs/ is reachable by links from it and
+every local link resolves, no raw result (JSON) lies under docs/, and every JSON under benchmarks/results/ says
+which command, commit and machine made it, with no path of the machine it was made on."""
 
 from __future__ import annotations
 
 import ast
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +20,8 @@ SOURCES = {"sarathi_lite": ROOT / "sarathi_lite", "sarathi_lite.scheduler": ROOT
            "sarathi_lite.kernels": ROOT / "kernels" / "src"}
 
 # Which package may import which (at module level), by the first two name parts: sarathi_lite.X. The root
-# package (sarathi_lite/__init__.py) loads its public names lazily and imports none of them here.
+# package (sarathi_lite/__init__.py) loads its public names lazily and imports none of them here. The table in
+# docs/design/architecture.md names the arrows in use (test_the_architecture_import_table_is_the_real_one).
 ALLOWED = {
     "scheduler": set(),
     "kernels": set(),
@@ -227,3 +233,192 @@ def test_the_torch_free_modules_import_without_torch():
             "assert 'torch' not in sys.modules, 'building the CLI parser imported torch'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# The documentation: pages by reader under docs/, raw results beside the scripts that made them.
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "benchmarks" / "results"
+ARCHITECTURE = DOCS / "design" / "architecture.md"
+IMPORT_TABLE_HEADING = "## Which package imports which"
+README_MAX_LINES = 200  # what it is, the commands, an example per use, one table, links: the rest is in docs/
+PROVENANCE = ("command", "commit", "machine")
+# A path of the machine a result was made on (its checkout, scratch or home folders), not a repository path.
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:root|tmp|home|work|Users|mnt|var|opt|srv|scratch)(?:/|\b)")
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_BLOCK = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+_CODE = re.compile(r"^```.*?^```|`[^`\n]*`", re.MULTILINE | re.DOTALL)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings (a repeated heading's later ones get ``-1``, ``-2``, ... as on GitHub)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for line in _BLOCK.sub("", page.read_text()).splitlines():
+        if line.startswith("#"):
+            slug = _anchor(line.lstrip("#"))
+            found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def local_links(page: Path) -> list[tuple[Path, str]]:
+    """``(file, anchor)`` for every link of a Markdown page to a file of the repository (web addresses left out;
+    code spans and blocks are not text); a link to a heading of the page itself names the page."""
+    out = []
+    for target in _LINK.findall(_CODE.sub("", page.read_text())):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        out.append(((page.parent / path).resolve() if path else page.resolve(), anchor))
+    return out
+
+
+def reachable_pages(start: Path) -> set[Path]:
+    """The Markdown pages reachable from ``start`` by following links, ``start`` included."""
+    seen: set[Path] = set()
+    todo = [start.resolve()]
+    while todo:
+        page = todo.pop()
+        if page in seen or page.suffix != ".md" or not page.is_file():
+            continue
+        seen.add(page)
+        todo.extend(target for target, _ in local_links(page))
+    return seen
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    reached = reachable_pages(ROOT / "README.md")
+    pages = sorted(DOCS.rglob("*.md"))
+    assert len(pages) > 10
+    unreached = [str(p.relative_to(ROOT)) for p in pages if p.resolve() not in reached]
+    assert not unreached, f"pages no link from README.md leads to: {unreached}"
+
+
+def test_the_readme_stays_short():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move detail into a docs page and link it"
+
+
+def test_every_local_link_of_the_readme_and_the_docs_resolves():
+    broken = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        for target, anchor in local_links(page):
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} does not exist")
+            elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+                broken.append(f"{page.relative_to(ROOT)}: no heading #{anchor} in {target.relative_to(ROOT)}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_link_check_reads_links_and_headings_as_github_does(tmp_path):
+    page = tmp_path / "guide.md"
+    page.write_text("# A guide\n\n## The token budget: `chunk_size=\"auto\"`\n\n## Replicas and prefill/decode\n\n"
+                    "## Sweeps\n\n## Sweeps\n\nSee [the budget](#the-token-budget-chunk_sizeauto), "
+                    "[a result](../results/x.md#top), [vLLM](https://docs.vllm.ai/x.md) and `[code](not/a/link.md)`.\n"
+                    "```python\n# not a heading\nd[0](x)\n```\n")
+    assert anchors(page) == {"a-guide", "the-token-budget-chunk_sizeauto", "replicas-and-prefilldecode", "sweeps",
+                             "sweeps-1"}
+    assert local_links(page) == [(page.resolve(), "the-token-budget-chunk_sizeauto"),
+                                 ((tmp_path / "../results/x.md").resolve(), "top")]
+
+
+def test_no_raw_result_lies_under_docs():
+    stray = sorted(str(p.relative_to(ROOT)) for p in DOCS.rglob("*.json"))
+    assert not stray, f"JSON belongs under benchmarks/results/, beside the script that made it: {stray}"
+
+
+def _strings(value, where: str = "") -> list[tuple[str, str]]:
+    """``(where, text)`` for every string in a JSON value, keys included."""
+    if isinstance(value, dict):
+        return [item for key, v in value.items() for item in [(f"{where}/{key}", key), *_strings(v, f"{where}/{key}")]]
+    if isinstance(value, list):
+        return [item for i, v in enumerate(value) for item in _strings(v, f"{where}/{i}")]
+    return [(where, value)] if isinstance(value, str) else []
+
+
+def provenance_problems(name: str, data) -> list[str]:
+    """What a result file lacks: a top-level object with a ``command`` (text, or a list of commands), the ``commit``
+    it was made at (for results older than this rule: the last commit that changed the file under docs/) and the
+    ``machine``; and what it holds that it should not: a path of the machine it was made on."""
+    if not isinstance(data, dict):
+        return [f"{name}: the top level is a {type(data).__name__}, not an object with {', '.join(PROVENANCE)}"]
+    problems = [f"{name}: no {key!r}" for key in PROVENANCE if not data.get(key)]
+    if data.get("commit") and not re.fullmatch(r"[0-9a-f]{7,40}", str(data["commit"])):
+        problems.append(f"{name}: commit {data['commit']!r} is no commit id")
+    problems += [f"{name}: a machine path at {where or '/'}: {text!r}" for where, text in _strings(data)
+                 if MACHINE_PATH.search(text)]
+    return problems
+
+
+def test_every_result_says_which_command_commit_and_machine_made_it():
+    files = sorted(RESULTS.rglob("*.json"))
+    assert len(files) > 40
+    problems = [line for path in files
+                for line in provenance_problems(str(path.relative_to(ROOT)), json.loads(path.read_text()))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_provenance_check_catches_what_it_should():
+    good = {"command": "python benchmarks/x.py --out benchmarks/results/x.json", "commit": "49a4cb4",
+            "machine": "2-core x86_64 VM", "rows": [{"profile": "benchmarks/results/p.json"}]}
+    assert provenance_problems("x", good) == []
+    assert provenance_problems("x", [1]) == ["x: the top level is a list, not an object with command, commit, machine"]
+    assert provenance_problems("x", {**good, "commit": "", "machine": None}) == ["x: no 'commit'", "x: no 'machine'"]
+    assert provenance_problems("x", {**good, "commit": "main"}) == ["x: commit 'main' is no commit id"]
+    bad = {**good, "args": {"out": "/tmp/x.json"}, "profiles": "/work/shared/gpu-profiles",
+           "runs": [{"python benchmarks/x.py --out /root/x.json": 1}]}
+    assert provenance_problems("x", bad) == [
+        "x: a machine path at /args/out: '/tmp/x.json'", "x: a machine path at /profiles: '/work/shared/gpu-profiles'",
+        "x: a machine path at /runs/0/python benchmarks/x.py --out /root/x.json: "
+        "'python benchmarks/x.py --out /root/x.json'"]
+    assert provenance_problems("x", {**good, "url": "https://github.com/microsoft/vidur/data/profiling"}) == []
+
+
+def documented_arrows(text: str) -> dict[str, set[str]]:
+    """The import table of architecture.md: package -> the packages it imports at module level. A row's package is
+    its first name in backticks (``sarathi_lite`` is the root package, ``__init__``); its imports are the names in
+    backticks of the second column outside parentheses ("-": none)."""
+    section = text.split(IMPORT_TABLE_HEADING, 1)[1]
+    rows = {}
+    for line in section.splitlines():
+        if rows and not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or not cells[0].startswith("`"):
+            continue
+        package = re.findall(r"`([^`]+)`", cells[0])[0]
+        rows["__init__" if package == "sarathi_lite" else package] = set(
+            re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", cells[1])))
+    return rows
+
+
+def real_arrows() -> dict[str, set[str]]:
+    """Package -> the packages its modules import at module level (every package, those importing none too)."""
+    arrows: dict[str, set[str]] = {}
+    for src, dsts in _graph().items():
+        arrows.setdefault(_area(src), set()).update(_area(d) for d in dsts if _area(d) != _area(src))
+    return arrows
+
+
+def test_the_architecture_import_table_is_the_real_one():
+    documented, real = documented_arrows(ARCHITECTURE.read_text()), real_arrows()
+    assert set(documented) == set(real), (f"packages missing from the table: {sorted(set(real) - set(documented))}; "
+                                          f"in the table but not in the code: {sorted(set(documented) - set(real))}")
+    wrong = [f"{p}: the table says {sorted(documented[p])}, the code imports {sorted(real[p])}"
+             for p in sorted(real) if documented[p] != real[p]]
+    assert not wrong, "\n".join(wrong)
+    assert all(real[p] <= ALLOWED[p] for p in real if p != "__init__")
+
+
+def test_the_import_table_parser_reads_names_not_remarks():
+    table = (f"{IMPORT_TABLE_HEADING}\n\n| package | imports | torch |\n| --- | --- | --- |\n"
+             "| `scheduler` | - (stdlib only) | never |\n"
+             "| `costs` | `scheduler`, `models` (its `config`) | never |\n"
+             "| `sarathi_lite` (`__init__`) | nothing at import | never |\n\nAfter the table: `engine`.\n")
+    assert documented_arrows(table) == {"scheduler": set(), "costs": {"scheduler", "models"}, "__init__": set()}

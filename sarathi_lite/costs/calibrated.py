@@ -28,7 +28,7 @@ time is non-decreasing in tokens):
 Attention is NOT measured (Vidur's attention files were not available). It stays analytic, priced as the
 uncalibrated roofline prices it (``RooflineCostModel.work``'s FLOPs and bytes at 0.7 of peak FLOP/s and 0.85 of
 peak bandwidth), plus one measured launch floor per layer. ``attention_share`` tells how much of a step that is;
-docs/gpu_calibration.md bounds it for typical batches.
+docs/guides/gpu_calibration.md bounds it for typical batches.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ class Collective:
     messages (the average slope over the upper half of the measured sizes).
 
     The table follows the measurements, so it is not non-decreasing everywhere: NCCL switches protocol and
-    algorithm at size thresholds and a larger message can be cheaper (docs/gpu_calibration.md, "Collectives")."""
+    algorithm at size thresholds and a larger message can be cheaper (docs/results/gpu_calibration.md,
+    "Collectives")."""
 
     knots: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
 

@@ -98,8 +98,8 @@ LINKS = {
     "infiniband": Link("InfiniBand NDR", 50e9, 20e-6),
     "100gbe": Link("100 GbE", 12.5e9, 50e-6),
 }
-"""Nominal one-direction bandwidths per GPU (docs/simulator.md cites them): NVLink 4 on H100 SXM, 900 GB/s both
-directions (NVIDIA H100 data sheet); PCIe 5.0 x16, 32 GT/s x 16 lanes = 64 GB/s per direction (PCI-SIG); InfiniBand
+"""Nominal one-direction bandwidths per GPU (docs/design/disaggregation.md cites them): NVLink 4 on H100 SXM, 900 GB/s
+both directions (NVIDIA H100 data sheet); PCIe 5.0 x16, 32 GT/s x 16 lanes = 64 GB/s per direction (PCI-SIG); InfiniBand
 NDR, 400 Gb/s per port = 50 GB/s (NVIDIA ConnectX-7, one per GPU in a DGX H100); 100 Gigabit Ethernet, 12.5 GB/s
 (IEEE 802.3). The per-transfer latencies are assumptions of the order of a small NCCL/RDMA send, not
 measurements."""

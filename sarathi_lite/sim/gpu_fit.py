@@ -133,7 +133,7 @@ class CollectiveRows:
 UNSTABLE_SPREAD = 0.2
 """A measured size whose repetitions spread by more than this fraction of their median (max - min) is a
 measurement that disagrees with itself by more than twice the 10 % target: the fit keeps it (through a running
-median), and its error is reported apart (docs/gpu_calibration.md, "Collectives")."""
+median), and its error is reported apart (docs/results/gpu_calibration.md, "Collectives")."""
 COLLECTIVE_WINDOW = 5
 COLLECTIVE_TOLERANCE = 0.03
 

@@ -140,7 +140,7 @@ def _quick_grid(budgets: Sequence[int], max_context: int, max_decodes: int, caps
 def token_knots(limit: int) -> list[int]:
     """Batch sizes (tokens) up to ``limit`` where the token curve is measured: 1, 2, 3, then powers of two and
     the midpoints 1.5 times them (4, 6, 8, 12, 16, 24, ...), and ``limit`` itself. CPU BLAS libraries switch
-    kernels at small batch sizes (docs/simulator.md shows where), so the small sizes are all knots."""
+    kernels at small batch sizes (docs/guides/simulator.md shows where), so the small sizes are all knots."""
     out = sorted({n for k in range(limit.bit_length()) for n in (2 ** k, 3 * 2 ** k // 2) if 1 <= n <= limit})
     return out if out[-1] == limit else out + [limit]
 

@@ -76,7 +76,7 @@ class TailController:
     window's percentile ``p`` is compared with ``aim = slo * (1 - DEADBAND)``: inside the deadband the target
     holds; else ``log(target)`` moves by ``GAIN * log(aim / p)``, at most ``MAX_STEP_UP`` up and
     ``MAX_STEP_DOWN`` down, and stays inside ``[low, slo]``. Why this converges and cannot run away:
-    docs/auto_budget.md ("The target").
+    docs/design/scheduler.md ("The target").
 
     slo: seconds; percentile: in (0, 100); start: the first target (seconds, clamped to the bounds); low: the
     lowest target (seconds).

@@ -13,7 +13,8 @@ from .registry import chunked_policy_names, is_chunked, policy_class
 HOL_ADMISSION_BOUND = 1
 # With hol_protection and a fixed chunk_size, a prompt is long (by default) when its prefill needs more than this many
 # iterations' budgets. One chunk made every ordinary prompt above the budget "long" and cost capacity on ordinary
-# traffic; four keeps every measured ordinary trace unchanged (docs/benchmarks.md, head-of-line protection).
+# traffic; four keeps every measured ordinary trace unchanged (docs/design/scheduler.md, head-of-line protection;
+# docs/results/hol_protection.md).
 LONG_PROMPT_CHUNKS = 4
 
 
@@ -76,7 +77,7 @@ class SchedulerConfig:
     tbt_percentile: with ``chunk_size="auto"``: the percentile of time between tokens that ``tbt_slo`` bounds,
         in (0, 100) (99: P99 TBT <= ``tbt_slo``). The budget's target then moves with the measured steps so that
         their percentile sits just under ``tbt_slo`` (``budget.TailController``); ``None`` (the default until the
-        controller sees TBT gaps rather than step times, see docs/auto_budget.md): the target stays at
+        controller sees TBT gaps rather than step times, see docs/results/auto_budget.md): the target stays at
         ``tbt_slo * budget_safety``.
     budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take before any
         step is measured (with ``tbt_percentile=None``, always), in (0, 1].
