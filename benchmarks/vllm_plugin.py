@@ -91,6 +91,15 @@ class Server:
         self._sink.close()
 
 
+def _portable(arg: str) -> str:
+    """A command-line argument as the results may hold it: a path inside the repository relative to its root, any
+    other absolute path by its name only (results carry no path of the machine they ran on)."""
+    path = Path(arg)
+    if not path.is_absolute():
+        return arg
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
 def _spec(name: str) -> tuple[str, int | None]:
     """``"vllm@512"`` -> ``("vllm", 512)``; ``"vllm"`` -> ``("vllm", None)``: vLLM's own default budget."""
     kind, _, budget = name.partition("@")
@@ -231,6 +240,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     startup: dict[str, dict[str, float]] = {}
     started = time.time()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()  # the code that runs: taken before, not after
 
     def drive(url: str, name: str, workload_name: str, qps: float, rnd: int, wl: Workload) -> dict[str, Any]:
         load = os.getloadavg()[0]
@@ -275,9 +286,7 @@ def main() -> None:
                    if len([r for r in mine if r["qps"] == q]) == args.rounds
                    and all(_meets(r, args) for r in mine if r["qps"] <= q)]
         capacity[name] = max(passing, default=0.0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(sys.argv[1:]),
+    report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(_portable(a) for a in sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
               "commit": commit, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
               "startup_s": startup, "capacity_rps": capacity, "rows": rows,
