@@ -377,8 +377,12 @@ class WorkerGroup:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo and NCCL errors are RuntimeErrors (DistBackendError among them)
             # a killed worker's sockets close before its exit code shows up, later still on a loaded machine:
-            # wait (on the failure path only) until one has exited, or up to _EXIT_WAIT seconds
-            mp_connection.wait([p.sentinel for p in self.processes], timeout=_EXIT_WAIT)
+            # wait (on the failure path only) until one has exited, or up to _EXIT_WAIT seconds, and reap it (its
+            # sentinel is ready as it dies, a moment before a non-blocking wait would see its exit code)
+            ready = mp_connection.wait([p.sentinel for p in self.processes], timeout=_EXIT_WAIT)
+            for p in self.processes:
+                if p.sentinel in ready:
+                    p.join(_EXIT_WAIT)
             self.check_alive()
             self.failed = f"a tensor-parallel step failed (the workers may be out of step now): {e}"
             raise RuntimeError(self.failed) from e
