@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
@@ -230,6 +229,7 @@ class WorkerGroup:
         self.busy = True  # in a collective the workers may be in too: no stop message then
         self.pending = 0  # micro-batches sent down the pipeline whose logits have not come back
         self.failed: str | None = None
+        self._exit_awaited = False  # a failure path waited for a worker's exit code already
         self.closed = False
         self.broadcast_seconds = 0.0
         self._receiver: ThreadPoolExecutor | None = None
@@ -291,10 +291,21 @@ class WorkerGroup:
                 raise RuntimeError(f"tensor-parallel workers did not join within {COLLECTIVE_TIMEOUT:.0f} s")
             time.sleep(0.05)
 
+    def _await_exit(self) -> None:
+        """On a failure path, once: poll until a spawned worker's exit code shows, at most ``_EXIT_WAIT`` s (a
+        killed worker's sockets close before its exit code can be read, later still on a loaded machine)."""
+        if self._exit_awaited:
+            return
+        self._exit_awaited = True
+        deadline = time.monotonic() + _EXIT_WAIT
+        while time.monotonic() < deadline and all(p.exitcode is None for p in self.processes):
+            time.sleep(0.01)
+
     def check_alive(self) -> None:
-        """Raise ``RuntimeError`` naming the first spawned worker that has exited."""
+        """Raise ``RuntimeError`` naming the first spawned worker that has exited, else the failure seen before
+        (after giving a dying worker's exit code time to show)."""
         if self.failed:
-            raise RuntimeError(self.failed)
+            self._await_exit()
         for rank, p in enumerate(self.processes, start=1):
             if p.exitcode is not None:
                 how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
@@ -303,6 +314,8 @@ class WorkerGroup:
                     f"worker rank {rank} (pipeline stage {rank // pipe.tp_size})"
                 self.failed = f"{who} (pid {p.pid}) {how}; the engine cannot run without it"
                 raise RuntimeError(self.failed)
+        if self.failed:
+            raise RuntimeError(self.failed)
 
     def agree_pool(self, config: EngineConfig, pool: KVPool, max_position_embeddings: int) -> KVPool:
         """Rank 0's side of ``build_shard``: ``pool`` cut to the smallest rank's, in blocks (``max_model_len``
@@ -376,13 +389,7 @@ class WorkerGroup:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo and NCCL errors are RuntimeErrors (DistBackendError among them)
-            # a killed worker's sockets close before its exit code shows up, later still on a loaded machine:
-            # wait (on the failure path only) until one has exited, or up to _EXIT_WAIT seconds, and reap it (its
-            # sentinel is ready as it dies, a moment before a non-blocking wait would see its exit code)
-            ready = mp_connection.wait([p.sentinel for p in self.processes], timeout=_EXIT_WAIT)
-            for p in self.processes:
-                if p.sentinel in ready:
-                    p.join(_EXIT_WAIT)
+            self._await_exit()
             self.check_alive()
             self.failed = f"a tensor-parallel step failed (the workers may be out of step now): {e}"
             raise RuntimeError(self.failed) from e
