@@ -143,16 +143,21 @@ def servers(args: argparse.Namespace, names: list[str], model: Path, logs: Path)
     return out
 
 
-def long_tail(args: argparse.Namespace, tmp: Path, seed: int) -> Workload:
-    rng = np.random.default_rng(seed)
-    path = tmp / f"long_tail_{seed}.csv"
+def _trace(path: Path, lengths: list[tuple[int, int]], qps: float, seed: int) -> Workload:
+    """A workload of ``(prompt tokens, output tokens)`` pairs at ``qps`` (Poisson from ``seed``), through a trace
+    file at ``path``."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["num_prefill_tokens", "num_decode_tokens"])
-        for i in range(args.num_requests):
-            prompt = args.long_prompt if i % args.long_every == args.long_every - 1 else int(rng.integers(32, 257))
-            w.writerow([prompt, int(rng.integers(32, 65))])
-    return Workload.from_trace(path, qps=args.qps, seed=seed)
+        w.writerows(lengths)
+    return Workload.from_trace(path, qps=qps, seed=seed)
+
+
+def long_tail(args: argparse.Namespace, tmp: Path, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    lengths = [(args.long_prompt if i % args.long_every == args.long_every - 1 else int(rng.integers(32, 257)),
+                int(rng.integers(32, 65))) for i in range(args.num_requests)]
+    return _trace(tmp / f"long_tail_{seed}.csv", lengths, args.qps, seed)
 
 
 def conversation(args: argparse.Namespace, qps: float, seed: int) -> Workload:
@@ -169,14 +174,10 @@ def warm_up(running: dict[str, Server], tmp: Path) -> None:
     at once), discarded: a server's first steps of a new size are slower (its CPU kernels pick their primitives on
     first use), and the first system measured after start-up must not pay for it alone. Then wait for the machine
     to settle (``WARM_UP_LOAD``)."""
-    path = tmp / "warm_up.csv"
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["num_prefill_tokens", "num_decode_tokens"])
-        for prompt in (32, 96, 256, 700, 2000, 64, 128, 512):
-            w.writerow([prompt, 16])
+    prompts = (32, 96, 256, 700, 2000, 64, 128, 512)
+    workload = _trace(tmp / "warm_up.csv", [(p, 16) for p in prompts], qps=4.0, seed=0)
     for server in running.values():
-        replay_http(Workload.from_trace(path, qps=4.0, seed=0), server.url, model="m", progress=False, timeout=600.0)
+        replay_http(workload, server.url, model="m", progress=False, timeout=600.0)
     deadline = time.monotonic() + WARM_UP_WAIT
     while os.getloadavg()[0] > WARM_UP_LOAD and time.monotonic() < deadline:
         time.sleep(5.0)

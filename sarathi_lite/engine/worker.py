@@ -65,7 +65,7 @@ COLLECTIVE_TIMEOUT = 60.0
 """Seconds a rank waits in a forward-pass collective (and for spawned workers to join) before giving up."""
 _IDLE_TIMEOUT = timedelta(days=7)  # the control group: workers wait this long for rank 0's next step
 _SHUTDOWN_GRACE = 5.0  # seconds a worker gets to leave by itself before it is terminated
-_EXIT_WAIT = 5.0  # seconds a failed collective waits for a worker's exit code, to name the worker that died
+_EXIT_WAIT = 5.0  # seconds a failure path waits for a dead worker's exit code, to name it
 
 
 @dataclass(slots=True)
