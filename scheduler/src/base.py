@@ -306,11 +306,12 @@ class Scheduler:
             (r, min(r.num_prefill_tokens - r.num_computed_tokens, self._prefill_cap(r)))
             for r in (*prefills, *islice(self.waiting, slots))])
 
-    def observe(self, output: SchedulerOutput, step_time: float) -> None:
-        """Feed the measured ``step_time`` (seconds, the iteration's start to end) of the iteration ``output`` to
-        the ``chunk_size="auto"`` budget's correction; nothing to do with a fixed chunk size."""
+    def observe(self, output: SchedulerOutput, step_time: float, gap: float | None = None) -> None:
+        """Feed the measured ``step_time`` (seconds, the iteration's start to end) of the iteration ``output``,
+        and ``gap`` (seconds from the previous iteration's end to its end: its decodes' time between tokens;
+        ``None``: not known) to the ``chunk_size="auto"`` budget; nothing to do with a fixed chunk size."""
         if self.budget is not None:
-            self.budget.observe_output(output, step_time)
+            self.budget.observe_output(output, step_time, gap)
 
     # ------------------------------------------------------------------ building blocks for policies
 

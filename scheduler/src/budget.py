@@ -11,13 +11,20 @@ seconds:
    largest block multiple whose predicted step fits (``largest_fitting``: the step time need not grow with the
    tokens); never less than ``min_chunk_size`` while a prompt waits, so prefill is never starved by a
    decode-heavy load; never more than ``max_num_batched_tokens`` in all;
-3. after the step ran, ``observe_output`` feeds the measured step time back twice: a multiplicative correction,
-   an exponentially weighted average of ``log(measured / predicted)``, scales every later prediction, so a model
-   profiled on a quieter machine still holds the SLO (for a constant ratio it approaches it monotonically;
-   single ratios and the correction are clamped to ``CORRECTION_RANGE``); and, with ``tbt_percentile`` set,
-   a ``TailController`` moves ``target`` (from ``tbt_slo * budget_safety``, inside ``[TARGET_FLOOR * tbt_slo,
-   tbt_slo]``) so that the ``tbt_percentile``-th percentile of the measured steps the budget sized sits just
-   under ``tbt_slo``: the SLO the user states, not a fixed fraction of it.
+3. after a step with prefill tokens ran (the steps the budget sizes; a decode-only step's ratio, dominated by
+   fixed overheads, says little about them), ``observe_output`` feeds its measured time back: a multiplicative
+   correction, an exponentially weighted average of ``log(measured / predicted)``, scales every later
+   prediction, so a model profiled on a quieter machine still holds the SLO (for a constant ratio it approaches
+   it monotonically; single ratios and the correction are clamped to ``CORRECTION_RANGE``). With
+   ``tbt_percentile`` set, three more terms aim at the SLO the user states, a percentile of the time between
+   tokens, not at a fixed fraction of it: the ``spread``, the ``tbt_percentile``-th percentile of the last
+   ``SPREAD_WINDOW`` steps' ``measured / (predicted * correction)``, also multiplies the prediction, so a step
+   planned at the target runs over it no more often than the percentile allows, however widely the machine
+   scatters around its typical step; ``between``, the percentile of the seconds a decode waits beyond the
+   step itself (``gap - measured``: the host's work between steps), is added to it; and a ``TailController``
+   moves ``target`` (from ``tbt_slo * budget_safety``, inside ``[TARGET_FLOOR * tbt_slo, tbt_slo]``) so that
+   the percentile of the measured gaps of the steps the budget sized sits just under ``tbt_slo``, for what the
+   ratios do not show.
 
 The predictor is any object with ``predict_step_time(out: SchedulerOutput) -> float`` (seconds from the
 iteration's start to its end, deterministic); the simulator's profiled, roofline and calibrated cost models are
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -46,6 +54,15 @@ DIP_TOLERANCE = 0.05
 DIP_TOLERANCE)`` proves that no larger one fits. Measured all-reduce tables dip by about 2% of a step."""
 MAX_SCAN = 16
 """Most candidates ``largest_fitting`` evaluates one by one above the binary search's answer."""
+
+SPREAD_WINDOW = 256
+"""Steps with prefill whose ``measured / (predicted * correction)`` the ``spread`` is taken over (and steps with
+prefill and decodes whose ``gap - measured`` ``between`` is)."""
+SPREAD_MIN_STEPS = 16
+"""Steps with prefill measured before the ``spread`` is used (it is 1 until then). The ``controller``'s target,
+``tbt_slo * budget_safety`` until then (room for a spread not yet measured), then starts from its aim, just under
+``tbt_slo``: the measured spread is the room now, and the controller lowers the target if the tail still runs
+over."""
 
 TARGET_FLOOR = 0.5
 """The ``TailController``'s lowest target, a fraction of ``tbt_slo`` (or ``budget_safety``, if lower)."""
@@ -113,9 +130,12 @@ class TokenBudget:
 
     config: a ``SchedulerConfig`` with ``chunk_size="auto"`` (its ``tbt_slo``, ``tbt_percentile``,
     ``budget_safety``, ``min_chunk_size``, ``block_size``, ``max_num_batched_tokens`` apply). predictor: see the
-    module docstring. ``correction`` (dimensionless, starts at 1) multiplies every prediction; ``target``
-    (seconds) is the most a corrected predicted step may take: ``tbt_slo * budget_safety`` at first, then, with
-    ``tbt_percentile`` set, what ``controller`` makes of the measured steps (fixed when it is ``None``).
+    module docstring. ``correction`` (dimensionless, starts at 1, the typical ``measured / predicted``) and,
+    with ``tbt_percentile`` set, ``spread`` (at least 1: how far above the typical step the percentile runs)
+    multiply every prediction, and ``between`` (seconds, at least 0: what a decode waits beyond the step) is
+    added to it; ``target`` (seconds) is the most a corrected predicted step may take: ``tbt_slo *
+    budget_safety`` at first, then, with ``tbt_percentile`` set, what ``controller`` makes of the measured steps
+    (fixed when it is ``None``).
     """
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor) -> None:
@@ -133,6 +153,11 @@ class TokenBudget:
         self.max_tokens = config.max_num_batched_tokens
         self.correction = 1.0
         self._log_correction = 0.0
+        self.percentile = config.tbt_percentile
+        self.spread = 1.0
+        self.between = 0.0
+        self._residuals: deque[float] = deque(maxlen=SPREAD_WINDOW)  # log(measured / (predicted * correction))
+        self._betweens: deque[float] = deque(maxlen=SPREAD_WINDOW)  # gap - measured, seconds
 
     @property
     def target(self) -> float:
@@ -142,8 +167,13 @@ class TokenBudget:
     # ------------------------------------------------------------------ choosing the budget
 
     def predict(self, out: SchedulerOutput) -> float:
-        """Corrected predicted seconds of the iteration ``out``."""
-        return self.predictor.predict_step_time(out) * self.correction
+        """Corrected predicted seconds of the iteration ``out`` (with ``tbt_percentile``: its decodes' gap at
+        that percentile)."""
+        return self.corrected(self.predictor.predict_step_time(out))
+
+    def corrected(self, predicted: float) -> float:
+        """An uncorrected prediction (seconds) corrected: ``predicted * correction * spread + between``."""
+        return predicted * self.correction * self.spread + self.between
 
     def prefill_tokens(self, out: SchedulerOutput, candidates: Sequence[tuple[Request, int]]) -> int:
         """Prefill tokens the iteration ``out`` (its decodes already scheduled) may add: the largest multiple of
@@ -180,30 +210,52 @@ class TokenBudget:
 
     # ------------------------------------------------------------------ online correction and target
 
-    def observe(self, predicted: float, measured: float) -> None:
+    def observe(self, predicted: float, measured: float, gap: float | None = None) -> None:
         """Fold one iteration's uncorrected ``predicted`` and ``measured`` step times (seconds) into the
-        correction. Raises ``ValueError`` unless both are positive and finite."""
-        for name, value in (("predicted", predicted), ("measured", measured)):
-            if not (math.isfinite(value) and value > 0):
+        correction and, with ``percentile`` set, into the spread, and ``gap`` (seconds from the previous step's
+        end to this one's, what its decodes waited; ``None``: not known, or no decode waited) into ``between``.
+        Raises ``ValueError`` unless each is positive and finite."""
+        for name, value in (("predicted", predicted), ("measured", measured), ("gap", gap)):
+            if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive, finite step time in seconds")
         lo, hi = (math.log(b) for b in CORRECTION_RANGE)
         ratio = min(max(math.log(measured / predicted), lo), hi)
+        if self.percentile is not None:  # against the correction this step was planned with
+            self._residuals.append(ratio - self._log_correction)
+            self.spread = max(1.0, math.exp(self._tail(self._residuals)))
+            if gap is not None:
+                self._betweens.append(min(max(gap - measured, 0.0), measured))
+                self.between = self._tail(self._betweens)
+            if len(self._residuals) == SPREAD_MIN_STEPS and self.controller is not None:
+                self.controller.target = max(self.controller.target, self.controller.aim)  # the spread is the room
         self._log_correction += CORRECTION_WEIGHT * (ratio - self._log_correction)
         self.correction = math.exp(self._log_correction)
 
-    def observe_output(self, out: SchedulerOutput, measured: float) -> None:
-        """``observe`` the iteration ``out`` that took ``measured`` seconds (skipped for an empty one), and hand
-        ``measured`` to the ``controller`` when the budget sized that step: it had decodes (whose TBT gap it is)
-        and prefill, and was predicted within the target (not a step the minimum chunk or the decodes alone
-        pushed over it, whose time no target changes)."""
-        if out.is_empty:
+    def _tail(self, window: deque[float]) -> float:
+        """The ``percentile``-th percentile (nearest rank) of ``window``; 0 until it holds ``SPREAD_MIN_STEPS``."""
+        n = len(window)
+        if n < SPREAD_MIN_STEPS:
+            return 0.0
+        rank = max(1, n - math.ceil(self.percentile / 100 * n) + 1)  # from the top
+        return heapq.nlargest(rank, window)[-1]
+
+    def observe_output(self, out: SchedulerOutput, measured: float, gap: float | None = None) -> None:
+        """``observe`` the iteration ``out`` that took ``measured`` seconds if it had prefill tokens (the steps
+        the budget sizes), and hand its decodes' TBT gap to the ``controller`` when the budget sized that step:
+        it had decodes and prefill, and was predicted within the target (not a step the minimum chunk or the
+        decodes alone pushed over it, whose time no target changes).
+
+        gap: seconds from the previous step's end to this one's, what a decode in ``out`` waited for its token
+        (``measured`` plus the host's time between steps); used only for a step with decodes, and ``measured``
+        stands in for it when ``None``."""
+        if out.num_prefill_tokens == 0:
             return
         predicted = self.predictor.predict_step_time(out)
-        sized = (out.num_decode_tokens > 0 and out.num_prefill_tokens > 0
-                 and predicted * self.correction <= self.target * (1 + 1e-9))
-        self.observe(predicted, measured)
+        sized = out.num_decode_tokens > 0 and self.corrected(predicted) <= self.target * (1 + 1e-9)
+        tbt = gap if gap is not None and out.num_decode_tokens > 0 else None
+        self.observe(predicted, measured, tbt)
         if sized and self.controller is not None:
-            self.controller.observe(measured)
+            self.controller.observe(measured if tbt is None else tbt)
 
 
 def largest_fitting(cost: Callable[[int], float], lo: int, hi: int, target: float, bound: float) -> int:
