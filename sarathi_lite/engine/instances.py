@@ -53,8 +53,8 @@ from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.llm_engine import LLMEngine, _load_tokenizer
 from sarathi_lite.engine.outputs import RequestOutput
-from sarathi_lite.engine.prompts import check_token_ids
 from sarathi_lite.engine.p2p_connector import P2PKVConnector
+from sarathi_lite.engine.prompts import check_token_ids
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import _EXIT_WAIT, _SHUTDOWN_GRACE, _free_port
