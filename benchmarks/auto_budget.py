@@ -18,7 +18,10 @@ roofline is deterministic (0.9, the default).
 
     python benchmarks/auto_budget.py --out benchmarks/results/auto_budget.json
 
-Each search uses 12 probes by default; `--fixed` replaces the fixed chunk sizes compared (e.g. steps of one block).
+Each search uses 12 probes by default; `--fixed` replaces the fixed chunk sizes compared (e.g. steps of one block);
+`--refine` climbs from the grid's best size in steps of one KV block while the capacity rises, so the best fixed
+size is found to the block without a search at every block; `--tbt-percentile 99` runs ``auto`` aiming at P99
+TBT (the measured spread and the target controller, docs/design/scheduler.md) instead of the fixed target.
 
 Prints a table and writes JSON (every capacity search, the ratios, the load average).
 """
@@ -37,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from sarathi_lite.bench.capacity import SLO
-from sarathi_lite.bench.results import BenchResult, host
+from sarathi_lite.bench.results import BenchResult, commit, host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
@@ -94,29 +97,47 @@ def gaps_over(result: BenchResult, slo: float) -> float:
     return float((gaps > slo).mean()) if gaps.size else 0.0
 
 
-def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FIXED) -> dict[str, Any]:
+def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FIXED,
+              tbt_percentile: float | None = None, refine: bool = False) -> dict[str, Any]:
     cost = load_cost_model(setup.cost_model)
     wl = workload(setup, trace)
     slo = SLO(setup.tbt_slo)
     # The paper's budget filling (first come, first served) and no prefix cache, for every configuration alike:
     # head-of-line protection lets short requests pass long ones, which moves the median scheduling delay the
     # capacity is defined by, and its default long threshold follows the chunk size (see docs/design/scheduler.md).
-    options = {"tbt_slo": setup.tbt_slo, "budget_safety": setup.budget_safety, "hol_protection": False,
-               "enable_prefix_caching": False}
+    options = {"tbt_slo": setup.tbt_slo, "budget_safety": setup.budget_safety, "tbt_percentile": tbt_percentile,
+               "hol_protection": False, "enable_prefix_caching": False}
     lo, hi = setup.qps_range
     t0 = time.perf_counter()
     found = {}
+
+    def search(chunk: int | str) -> float:
+        if chunk not in found:
+            [c] = sim.capacity(wl, cost, slo, policies=["sarathi"], chunk_size=chunk, qps_low=lo, qps_high=hi,
+                               num_probes=probes, **options)
+            found[chunk] = c
+            if chunk != "auto":  # keep only the runs used below (each holds every token time)
+                for p in c.probes:
+                    p.result = None
+        return found[chunk].capacity or 0.0
+
     for chunk in (*fixed, "auto"):
-        [c] = sim.capacity(wl, cost, slo, policies=["sarathi"], chunk_size=chunk, qps_low=lo, qps_high=hi,
-                           num_probes=probes, **options)
-        found[chunk] = c
-        if chunk != "auto":  # keep only the runs used below (each holds every token time)
-            for p in c.probes:
-                p.result = None
-    best = max(fixed, key=lambda k: found[k].capacity or 0.0)
+        search(chunk)
+    if refine:  # climb from the best of the grid in steps of one block while the capacity rises
+        config = sim.scheduler_config(cost, "sarathi", fixed[0], **options)
+        block, top = config.block_size, config.max_num_batched_tokens
+        best = max(fixed, key=search)
+        for direction in (block, -block):
+            k = best
+            while block <= k + direction <= top and search(k + direction) > search(k):
+                k += direction
+            best = max((best, k), key=search)
+        fixed = tuple(sorted(k for k in found if k != "auto"))
+    best = max(fixed, key=search)
     best_cap, auto_cap = found[best].capacity, found["auto"].capacity
     row: dict[str, Any] = {"setup": setup.name, "trace": trace, "slo_tbt_p99": setup.tbt_slo,
-                           "budget_safety": setup.budget_safety, "workload": wl.describe(), "fixed": list(fixed),
+                           "budget_safety": setup.budget_safety, "tbt_percentile": tbt_percentile,
+                           "workload": wl.describe(), "fixed": list(fixed),
                            "capacity": {str(k): found[k].capacity for k in found}, "best_fixed": best,
                            "ratio": auto_cap / best_cap if auto_cap and best_cap else None}
     if best_cap:
@@ -156,14 +177,21 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=12, help="simulations per capacity search")
     ap.add_argument("--fixed", default=",".join(map(str, FIXED)),
                     help="comma-separated fixed chunk sizes to compare with (default: the powers of two 32-2048)")
+    ap.add_argument("--tbt-percentile", type=float, default=None,
+                    help="auto's tbt_percentile (99: the budget aims at P99 TBT <= the SLO with the measured spread "
+                         "and the target controller; default: the fixed target tbt_slo x budget_safety)")
+    ap.add_argument("--refine", action="store_true",
+                    help="after the --fixed grid, climb from its best size in steps of one KV block (up, then "
+                         "down) while the capacity rises: the best fixed size to the block")
     ap.add_argument("--out", type=Path, default=Path("results/auto_budget.json"))
     args = ap.parse_args()
-    load = os.getloadavg()
+    load, code = os.getloadavg(), commit()
     fixed = tuple(int(k) for k in args.fixed.split(","))
-    rows = [run_setup(SETUPS[s], t, args.probes, fixed) for s in args.setups.split(",")
+    rows = [run_setup(SETUPS[s], t, args.probes, fixed, args.tbt_percentile, args.refine)
+            for s in args.setups.split(",")
             for t in args.traces.split(",")]
     print(table(rows, fixed))
-    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": host(),
+    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": code, "machine": host(),
               "load_average_start": list(load), "load_average_end": list(os.getloadavg()),
               "command": "python benchmarks/auto_budget.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()), "rows": rows}

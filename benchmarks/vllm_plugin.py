@@ -43,6 +43,7 @@ import httpx
 import numpy as np
 
 from sarathi_lite.bench.http_client import replay_http
+from sarathi_lite.bench.results import commit
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.models import builtin
 
@@ -241,8 +242,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     startup: dict[str, dict[str, float]] = {}
     started = time.time()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()  # the code that runs: taken before, not after
+    code = commit()  # the code that runs: taken before, not after
 
     def drive(url: str, name: str, workload_name: str, qps: float, rnd: int, wl: Workload) -> dict[str, Any]:
         load = os.getloadavg()[0]
@@ -289,7 +289,7 @@ def main() -> None:
         capacity[name] = max(passing, default=0.0)
     report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(_portable(a) for a in sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-              "commit": commit, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
+              "commit": code, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
               "startup_s": startup, "capacity_rps": capacity, "rows": rows,
               "options": {k: v for k, v in vars(args).items() if k not in ("model", "vllm_venv", "out",
                                                                           "cost_model")},

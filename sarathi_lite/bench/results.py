@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +45,23 @@ def configurations(policies: Sequence[str], chunk_sizes: Sequence[int]) -> list[
 def host() -> str:
     """A one-line description of this machine (architecture, processor, CPU count), without torch."""
     return f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs"
+
+
+def commit() -> str | None:
+    """The short hash of the sarathi-lite checkout's ``HEAD`` (a ``-dirty`` suffix when tracked files differ
+    from it), for a benchmark's record of the code it ran; ``None`` outside a git checkout. Take it before the
+    run: a commit made while it runs is not what ran."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def run_config(cfg: SchedulerConfig, chunk_size: int | str | None, *, model: str | None, dtype: str | None,
