@@ -129,7 +129,9 @@ def test_auto_keeps_each_predicted_step_within_its_target(tiny_plugin):
         # over the target only when the floor (min_chunk_size) was granted
         assert step["predicted"] <= budget.target * (1 + 1e-9) or prefill <= min_prefill, step
     assert any(s["measured"] for s in planned)
+    assert any(s["gap"] for s in planned)  # the loop's period, what the step's decodes waited
     assert budget.correction != 1.0  # the measured step times fed the correction
+    assert budget.percentile == 99.0 and budget.spread >= 1.0 and budget.between >= 0.0
 
 
 def _run(engine, pending: set[str], limit: int = 400) -> dict[str, list[int]]:
@@ -193,10 +195,18 @@ def test_bad_options_are_refused_naming_the_value():
     for options, message in (({"chunk_size": 512}, "chunk_size=512"), ({"chunk_size": "auto"}, "cost_model"),
                              ({"chunk_sise": 64}, "'chunk_sise'"), ({"policy": "edf"}, "'edf'"),
                              ({"hol_protection": "yes"}, "hol_protection"), ({"chunk_size": True}, "True"),
-                             ({"tbt_slo": "0.1", "chunk_size": "auto", "cost_model": "roofline:h100"}, "'0.1'")):
+                             ({"tbt_slo": "0.1", "chunk_size": "auto", "cost_model": "roofline:h100"}, "'0.1'"),
+                             ({"tbt_percentile": "p99", "chunk_size": "auto", "cost_model": "roofline:h100"},
+                              "'p99'"),
+                             ({"tbt_percentile": 100, "tbt_slo": 0.1, "chunk_size": "auto",
+                               "cost_model": "roofline:h100"}, "tbt_percentile=100")):
         with pytest.raises(ValueError, match=message):
             parse_options({"sarathi_lite": options}, **limits)
     assert parse_options(None, **limits).config.chunk_size == 256
+    auto = {"chunk_size": "auto", "tbt_slo": 0.1, "cost_model": "roofline:h100"}
+    assert parse_options({"sarathi_lite": auto}, **limits).config.tbt_percentile == 99.0  # the plugin's default
+    fixed_target = {**auto, "tbt_percentile": None}
+    assert parse_options({"sarathi_lite": fixed_target}, **limits).config.tbt_percentile is None
 
 
 def test_unsupported_vllm_versions_are_refused_naming_both():

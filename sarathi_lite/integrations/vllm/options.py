@@ -18,8 +18,12 @@ POLICIES = ("sarathi", "vllm_v1")
 rule left unchanged, only logged (the baseline the simulator's ``vllm_v1`` policy is checked against)."""
 DEFAULT_CHUNK_SIZE = 512
 """The token budget when ``chunk_size`` is not given (at most vLLM's ``max_num_batched_tokens``)."""
-KEYS = ("policy", "chunk_size", "tbt_slo", "cost_model", "budget_safety", "min_chunk_size", "hol_protection",
-        "long_prefill_chunk", "step_log")
+KEYS = ("policy", "chunk_size", "tbt_slo", "tbt_percentile", "cost_model", "budget_safety", "min_chunk_size",
+        "hol_protection", "long_prefill_chunk", "step_log")
+DEFAULT_TBT_PERCENTILE = 99.0
+"""The TBT percentile ``tbt_slo`` bounds with ``chunk_size="auto"`` when not given (``null``: a fixed target,
+``tbt_slo * budget_safety``). vLLM's steps scatter around any model of them (a profile of another engine, a
+busy host): the budget sizes them by their measured percentile, not by their typical time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +66,7 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
             raise ValueError(f"sarathi_lite chunk_size={chunk_size} is larger than vLLM's max_num_batched_tokens="
                              f"{max_num_batched_tokens} (which sizes its buffers): raise --max-num-batched-tokens "
                              f"or lower chunk_size")
-    for key in ("tbt_slo", "budget_safety"):
+    for key in ("tbt_slo", "tbt_percentile", "budget_safety"):
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"sarathi_lite {key}={value!r} must be a number")
@@ -77,6 +81,8 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
         raise ValueError(f"sarathi_lite step_log={step_log!r} must be a file path")
     extra = {k: raw[k] for k in ("tbt_slo", "budget_safety", "min_chunk_size", "hol_protection",
                                  "long_prefill_chunk") if k in raw}
+    if chunk_size == "auto":
+        extra["tbt_percentile"] = raw.get("tbt_percentile", DEFAULT_TBT_PERCENTILE)
     config = SchedulerConfig(
         policy="sarathi", chunk_size=chunk_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,

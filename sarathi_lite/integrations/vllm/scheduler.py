@@ -72,16 +72,18 @@ class SarathiScheduler(AsyncScheduler):
         # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
         self._step_started: dict[int, tuple[float, SchedulerOutput, dict[str, Any]]] = {}
         self._known: set[str] = set()  # the requests a step record has named (live ones only)
+        self._last_update: float | None = None  # perf_counter when the last update_from_output returned
         logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
                     config.chunk_size, config.hol_protection)
 
     # ------------------------------------------------------------------ one step
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
         if self.options.policy == "vllm_v1":
             decodes = [r.request_id for r in self.running if _view(r).is_decode]
             output = super().schedule(*args, **kwargs)
-            self._record(output, decodes, None)
+            self._record(output, decodes, None, started)
             return output
         running = [_view(r) for r in self.running]
         waiting = [_view(r) for r in self.waiting]
@@ -96,7 +98,7 @@ class SarathiScheduler(AsyncScheduler):
         finally:
             sched.long_prefill_token_threshold = threshold
             self.max_num_scheduled_tokens = budget
-        self._record(output, [v.request_id for v in running if v.is_decode], plan)
+        self._record(output, [v.request_id for v in running if v.is_decode], plan, started)
         return output
 
     def _reorder(self, plan: Any) -> None:
@@ -110,8 +112,9 @@ class SarathiScheduler(AsyncScheduler):
                 self.waiting.clear()
                 self.waiting.extend(queue)
 
-    def _record(self, output: Any, decodes: list[str], plan: Any) -> None:
-        """Append the step's record: what was planned and what vLLM scheduled."""
+    def _record(self, output: Any, decodes: list[str], plan: Any, started: float) -> None:
+        """Append the step's record: what was planned and what vLLM scheduled (``started``: ``perf_counter`` when
+        ``schedule`` began)."""
         scheduled = dict(output.num_scheduled_tokens)
         preempted = sorted(output.preempted_req_ids or ())
         new = {rid: [r.num_prompt_tokens, r.max_tokens] for rid, r in self.requests.items() if rid not in self._known}
@@ -127,6 +130,7 @@ class SarathiScheduler(AsyncScheduler):
             "planned": plan.tokens if plan else None,
             "predicted": plan.predicted_step_time if plan else None,
             "measured": None,
+            "gap": None,
             "time": time.monotonic(),
         }
         self.step_log.append(record)
@@ -136,21 +140,25 @@ class SarathiScheduler(AsyncScheduler):
             for rid, n in scheduled.items():
                 start = self.requests[rid].num_computed_tokens - n
                 rows.add(ScheduledRequest(rid, start, n, [], [], True, rid not in decoding))
-            self._step_started[id(output)] = (time.perf_counter(), rows, record)
+            self._step_started[id(output)] = (started, rows, record)
         elif self._log_file is not None:
             self._write(record)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now = time.perf_counter()
+        last, self._last_update = self._last_update, now
         started = self._step_started.pop(id(scheduler_output), None)
-        if started is not None:
+        if started is not None:  # the step: scheduled, run, and its tokens out
             t0, rows, record = started
-            measured = time.perf_counter() - t0
-            record["measured"] = measured
+            measured = now - t0
+            gap = now - last if last is not None and now > last else None  # the loop's period: its decodes' TBT
+            record["measured"], record["gap"] = measured, gap
             if not self.scheduler_config.async_scheduling:  # overlapped steps have no step time of their own
-                self.token_budget.observe_output(rows, measured)
+                self.token_budget.observe_output(rows, measured, gap)
             if self._log_file is not None:
                 self._write(record)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        return outputs
 
     def _write(self, record: dict[str, Any]) -> None:
         self._log_file.write(json.dumps(record) + "\n")
