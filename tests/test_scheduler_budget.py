@@ -11,6 +11,7 @@ import pytest
 
 from sarathi_lite.scheduler import (
     Request,
+    ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -72,7 +73,7 @@ def random_workload(sched: Scheduler, rng: random.Random, n: int) -> list[tuple[
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_every_step_fits_the_slo_with_the_largest_block_aligned_prefill_and_no_decode_skipped(seed: int) -> None:
+def test_every_step_fits_the_slo_with_the_largest_whole_block_step_and_no_decode_skipped(seed: int) -> None:
     rng = random.Random(seed)
     cost = LinearCost(per_prefill=rng.uniform(5e-5, 2e-4), per_decode=rng.uniform(1e-4, 6e-4))
     sched = auto(cost, tbt_slo=rng.choice([0.04, 0.08, 0.2]), budget_safety=rng.choice([0.8, 0.9, 1.0]),
@@ -92,11 +93,15 @@ def test_every_step_fits_the_slo_with_the_largest_block_aligned_prefill_and_no_d
         it += 1
         assert it < 5000
         assert decoding <= {s.request_id for s in out.scheduled if not s.is_prefill}  # stall-free
-        # The largest block multiple whose prefill fits next to these decodes, at least the minimum chunk.
-        room = target - cost.decode_part(out)
-        ceiling = min(cfg.max_num_batched_tokens - out.num_decode_tokens, available + bs - 1) // bs * bs
-        fits = [k for k in range(bs, ceiling + 1, bs) if cost.per_prefill * min(k, available) <= room]
+        # The prefill of the largest whole-block step (decodes + prefill, as a fixed chunk size counts) that fits
+        # next to these decodes, at least the minimum chunk.
+        room, d = target - cost.decode_part(out), out.num_decode_tokens
+        first = -(-(d + min_chunk) // bs)
+        last = min(cfg.max_num_batched_tokens, d + available + bs - 1) // bs
+        fits = [k * bs - d for k in range(first, last + 1) if cost.per_prefill * min(k * bs - d, available) <= room]
         expected = max([min_chunk, *fits])
+        if fits and max(fits) < available:
+            assert (d + out.num_prefill_tokens) % bs == 0  # the step is whole blocks
         assert out.num_prefill_tokens == min(expected, available)
         if available:
             assert out.num_prefill_tokens >= min(min_chunk, available)  # prefill never starves
@@ -246,3 +251,24 @@ def test_budget_finds_the_largest_fitting_prefill_when_step_time_is_not_monotone
     # Below the dip, 1200 tokens fit and 1216-1328 do not; past it, 1344 and 1360 fit again.
     assert max(k for k in fits if k < 1344) == 1200 and max(fits) == 1360
     assert budget.prefill_tokens(SchedulerOutput([]), [(prompt, 4000)]) == 1360
+
+
+class TileCost:
+    """A GPU-like step: 5 ms plus 2 ms per started tile of 128 tokens (decodes and prefill alike)."""
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        return 0.005 + 0.002 * math.ceil(out.num_batched_tokens / 128)
+
+
+def test_the_budget_fills_whole_block_steps_so_no_fixed_chunk_size_that_fits_takes_more_tokens() -> None:
+    """42 decodes and a long prompt under a 9.5 ms target: a fixed chunk of 256 tokens (two tiles, 9 ms) fits
+    and 257-384 (11 ms) do not; the budget's step is those 256 tokens, not 250 (42 + 13 blocks of prefill) as
+    whole-block prefill gave."""
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.0095, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, enable_prefix_caching=False)
+    budget = TokenBudget(config, TileCost())
+    out = SchedulerOutput()
+    for i in range(42):
+        out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
+    prompt = Request("p", [5] * 4000, 4)
+    assert budget.prefill_tokens(out, [(prompt, 4000)]) == 256 - 42

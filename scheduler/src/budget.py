@@ -6,11 +6,12 @@ tokens fit next to the decodes already scheduled while the predicted step time s
 seconds:
 
 1. the policy schedules every running decode first (stall-free, as with a fixed budget);
-2. ``prefill_tokens`` grows the prefill part in whole KV blocks (``block_size`` tokens) over the prompts that
-   would take it, in the order the policy fills them (prompts mid-prefill, then waiting ones), and returns the
-   largest block multiple whose predicted step fits (``largest_fitting``: the step time need not grow with the
-   tokens); never less than ``min_chunk_size`` while a prompt waits, so prefill is never starved by a
-   decode-heavy load; never more than ``max_num_batched_tokens`` in all;
+2. ``prefill_tokens`` grows the step in whole KV blocks (``block_size`` tokens, decodes included, as a fixed
+   ``chunk_size`` counts them) with prefill for the prompts that would take it, in the order the policy fills
+   them (prompts mid-prefill, then waiting ones), and returns the prefill of the largest such step whose
+   predicted time fits (``largest_fitting``: the step time need not grow with the tokens); never less than
+   ``min_chunk_size`` while a prompt waits, so prefill is never starved by a decode-heavy load; never more
+   than ``max_num_batched_tokens`` in all;
 3. after a step with prefill tokens ran (the steps the budget sizes; a decode-only step's ratio, dominated by
    fixed overheads, says little about them), ``observe_output`` feeds its measured time back: a multiplicative
    correction, an exponentially weighted average of ``log(measured / predicted)``, scales every later
@@ -176,22 +177,36 @@ class TokenBudget:
         return predicted * self.correction * self.spread + self.between
 
     def prefill_tokens(self, out: SchedulerOutput, candidates: Sequence[tuple[Request, int]]) -> int:
-        """Prefill tokens the iteration ``out`` (its decodes already scheduled) may add: the largest multiple of
-        ``block_size`` whose predicted step fits the target, at least ``min_chunk_size`` (rounded up to whole
-        blocks) when ``candidates`` is not empty, 0 when it is.
+        """Prefill tokens the iteration ``out`` (its decodes already scheduled) may add: as many as make the
+        step's tokens (``out``'s and these) the largest multiple of ``block_size`` whose predicted step fits the
+        target, as a fixed ``chunk_size`` of that many tokens would; at least ``min_chunk_size`` (rounded up to
+        whole blocks) when ``candidates`` is not empty, 0 when it is.
+
+        Whole-block steps, not whole-block prefill: every step a fixed chunk size C (a block multiple) runs is
+        then a candidate here too, so the budget never takes fewer tokens than the largest fixed size whose step
+        fits; and a model whose step time jumps at tile boundaries (GPU kernels, in 128-token tiles) is filled
+        to a boundary, not a block short of it with the decodes' odd count left over.
 
         candidates: ``(request, most tokens its chunk may take)`` for the prompts that would take the prefill
         tokens, in the order the policy fills them.
         """
         if not candidates:
             return 0
-        bs = self.block_size
+        bs, used = self.block_size, out.num_batched_tokens
         wanted = sum(n for _, n in candidates)
-        lo = self.min_blocks
-        hi = max(lo, min(self.max_tokens - out.num_batched_tokens, wanted + bs - 1) // bs)
+        floor = bs * self.min_blocks
+        lo = -(-(used + floor) // bs)  # the fewest whole blocks in a step with the floor's prefill
+        hi = max(lo, min(self.max_tokens, used + wanted + bs - 1) // bs)
         target = self.target
-        return bs * largest_fitting(lambda k: self.predict(self._trial(out, candidates, k * bs)), lo, hi, target,
-                                    target * (1 + DIP_TOLERANCE))
+        seen: dict[int, float] = {}
+
+        def cost(k: int) -> float:
+            if k not in seen:
+                seen[k] = self.predict(self._trial(out, candidates, k * bs - used))
+            return seen[k]
+
+        k = largest_fitting(cost, lo, hi, target, target * (1 + DIP_TOLERANCE))
+        return k * bs - used if cost(k) <= target else floor
 
     @staticmethod
     def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int) -> SchedulerOutput:
