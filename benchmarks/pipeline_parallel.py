@@ -1,5 +1,5 @@
 """Pipeline parallelism, simulated: bubble fraction and serving capacity of sarathi, vllm and orca at pipeline
-depths 2, 4 and 8 (``sarathi_lite.sim.pipeline``, the real scheduler classes on a roofline clock).
+depths 2, 4 and 8 (``sarathi_lite.sim.simulator``, the real scheduler classes on a roofline clock).
 
 Deployments, all on 8 A100-80GB (roofline presets; tensor parallelism within a stage, pipeline stages over a
 link between nodes):

@@ -4,7 +4,7 @@ against 1, on the same offline workload, with the measured bubble fraction besid
 Workload: the first ``--num-requests`` rows of the conversation trace (prompts <= ``--max-prompt``, outputs <=
 ``--max-output``, EOS ignored), all at once. Each engine runs it in ``--rounds`` alternating rounds; per run: wall
 time, output tokens/s, iterations, and (PP=2) the bubble fraction from the iteration records' per-stage busy time.
-The prediction: the same workload in the pipeline simulator with the profiled SmolLM2 cost model split over 2
+The prediction: the same workload in the simulator with the profiled SmolLM2 cost model split over 2
 stages (``PipelineCostModel``).
 
     python benchmarks/pipeline_real.py --threads 1
@@ -28,8 +28,8 @@ import torch
 from sarathi_lite import LLMEngine, SamplingParams
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs.pipeline import PipelineCostModel, head_layer_units
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.pipeline import PipelineCostModel, head_layer_units, simulate_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import load_rows, make_prompts  # noqa: E402
@@ -112,7 +112,7 @@ def main() -> None:
         cost = PipelineCostModel(sim.load_cost_model(str(PROFILE)), 2, num_layers=model.num_layers,
                                  head_layers=head)
         config = sim.scheduler_config(cost, "sarathi", args.chunk_size, num_kv_blocks=1024)
-        summary = simulate_pipeline(workload, cost, config).summary()
+        summary = sim.simulate(workload, cost, config).summary()
         predictions[name] = {"head_layers": head, **{k: summary.get(k) for k in (
             "bubble_fraction", "stage_busy", "stage_idle", "throughput_tokens_per_s")}}
     median = {name: {k: statistics.median(x[k] for x in rs) for k in ("output_tokens_per_s", "bubble_fraction")

@@ -1,6 +1,6 @@
-"""The pipeline-parallel simulator (``sarathi_lite.sim.pipeline``): micro-batches of the real scheduler through P
-stages, with bubble fractions computed by hand for equal and unequal micro-batches, the in-flight rule, and the
-roofline's pipelined stages. Torch-free."""
+"""The simulator on P pipeline stages (``sarathi_lite.sim.simulator``, ``sarathi_lite.costs.pipeline``):
+micro-batches of the real scheduler through P stages, with bubble fractions computed by hand for equal and unequal
+micro-batches, the in-flight rule, and the roofline's pipelined stages. Torch-free."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from sarathi_lite.bench.workload import RequestSpec, Workload
+from sarathi_lite.costs.pipeline import PipelineCostModel, head_layer_units
 from sarathi_lite.metrics import IterationRecord, bubble_accounting
 from sarathi_lite.models.stages import stage_layers
 from sarathi_lite.scheduler import SchedulerConfig, SchedulerOutput
 from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel, StepTiming
-from sarathi_lite.sim.pipeline import PipelineCostModel, head_layer_units
 from sarathi_lite.sim.roofline import roofline
 from sarathi_lite.sim.simulator import scheduler_config, simulate
 

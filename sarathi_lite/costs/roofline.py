@@ -22,7 +22,7 @@ the down projection) and the step one gather of the sampled rows' logits, each p
 interconnect: ``latency + 2 (N - 1) / N * bytes / attainable link bandwidth`` (the gather ``(N - 1) / N``), not
 overlapped with compute. The KV pool is what one rank's memory leaves after its weights.
 
-With ``pipeline_parallel_size`` P (pipeline parallelism; ``sarathi_lite.sim.pipeline`` simulates it): the layers
+With ``pipeline_parallel_size`` P (pipeline parallelism; ``sarathi_lite.sim.simulator`` simulates it): the layers
 are split into P contiguous stages (``models.stages.stage_layers``), each on its own tensor-parallel group; the
 last stage also runs the LM head. A stage's time (``predict_stage_times``) is the groups above over its layers'
 share of the layer work (and the head on the last stage), its collectives, plus ``step_overhead`` (each stage's
