@@ -92,7 +92,8 @@ def test_auto_budget_plans_the_largest_step_within_the_target():
     plan = plan_step(decodes, [RequestView("p", 0, 5000, 5000, 99)], config, budget)
     assert plan.predicted_step_time <= 0.05
     prefill = plan.tokens["p"]
-    assert prefill % 16 == 0 and 0.010 + 1e-4 * (40 + prefill + 16) > 0.05  # one more block would not fit
+    # the step (decodes and prefill) is whole blocks, and one more block would not fit
+    assert (40 + prefill) % 16 == 0 and 0.010 + 1e-4 * (40 + prefill + 16) > 0.05
     assert plan.token_budget == 40 + prefill
 
 
