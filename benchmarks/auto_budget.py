@@ -194,7 +194,8 @@ def main() -> None:
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": code, "machine": host(),
               "load_average_start": list(load), "load_average_end": list(os.getloadavg()),
               "command": "python benchmarks/auto_budget.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()), "rows": rows}
+                  f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+                  if v is not None and v is not False), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"load average {load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; wrote {args.out}")
