@@ -18,7 +18,8 @@ seconds:
    prediction, so a model profiled on a quieter machine still holds the SLO (for a constant ratio it approaches
    it monotonically; single ratios and the correction are clamped to ``CORRECTION_RANGE``). With
    ``tbt_percentile`` set, three more terms aim at the SLO the user states, a percentile of the time between
-   tokens, not at a fixed fraction of it: the ``spread``, the ``tbt_percentile``-th percentile of the last
+   tokens, not at a fixed fraction of it: the ``spread``, a high percentile (``tail_percentile``: the one that
+   keeps ``tbt_percentile`` of all decode gaps, sized steps or not, within the SLO) of the last
    ``SPREAD_WINDOW`` steps' ``measured / (predicted * correction)``, also multiplies the prediction, so a step
    planned at the target runs over it no more often than the percentile allows, however widely the machine
    scatters around its typical step; ``between``, the percentile of the seconds a decode waits beyond the
@@ -59,6 +60,11 @@ MAX_SCAN = 16
 SPREAD_WINDOW = 256
 """Steps with prefill whose ``measured / (predicted * correction)`` the ``spread`` is taken over (and steps with
 prefill and decodes whose ``gap - measured`` ``between`` is)."""
+SHARE_WINDOW = 1024
+"""Steps with decodes over which the share of decode tokens in steps with prefill (those the budget sizes) is
+counted: the spread's percentile follows it (``TokenBudget.tail_percentile``)."""
+TAIL_PERCENTILE_FLOOR = 90.0
+"""The lowest percentile the spread and ``between`` are taken at, however few decode tokens the sized steps hold."""
 SPREAD_MIN_STEPS = 16
 """Steps with prefill measured before the ``spread`` is used (it is 1 until then). The ``controller``'s target,
 ``tbt_slo * budget_safety`` until then (room for a spread not yet measured), then starts from its aim, just under
@@ -159,6 +165,8 @@ class TokenBudget:
         self.between = 0.0
         self._residuals: deque[float] = deque(maxlen=SPREAD_WINDOW)  # log(measured / (predicted * correction))
         self._betweens: deque[float] = deque(maxlen=SPREAD_WINDOW)  # gap - measured, seconds
+        self._decodes: deque[tuple[int, int]] = deque(maxlen=SHARE_WINDOW)  # (decode tokens, of them in sized steps)
+        self._decodes_all = self._decodes_sized = 0
 
     @property
     def target(self) -> float:
@@ -246,12 +254,37 @@ class TokenBudget:
         self._log_correction += CORRECTION_WEIGHT * (ratio - self._log_correction)
         self.correction = math.exp(self._log_correction)
 
+    @property
+    def tail_percentile(self) -> float:
+        """The percentile of the sized steps' spread and ``between`` that keeps the ``percentile``-th percentile
+        of *all* decode gaps within the SLO: a step without prefill is not sized and its gap stays short, so
+        when the sized steps hold a share ``f`` of the decode tokens (over the last ``SHARE_WINDOW`` steps with
+        decodes), ``(100 - percentile) / f`` percent of their gaps may run over (at P99 with half the tokens in
+        sized steps: their P98). At least ``TAIL_PERCENTILE_FLOOR``, at most ``percentile``."""
+        if not self._decodes_sized:
+            return self.percentile
+        share = self._decodes_sized / self._decodes_all
+        return min(self.percentile, max(TAIL_PERCENTILE_FLOOR, 100 - (100 - self.percentile) / share))
+
+    def _count_decodes(self, out: SchedulerOutput) -> None:
+        """Add ``out``'s decode tokens to the window the sized steps' share is counted over."""
+        if len(self._decodes) == self._decodes.maxlen:
+            old_all, old_sized = self._decodes[0]
+            self._decodes_all -= old_all
+            self._decodes_sized -= old_sized
+        n = out.num_decode_tokens
+        sized = n if out.num_prefill_tokens else 0
+        self._decodes.append((n, sized))
+        self._decodes_all += n
+        self._decodes_sized += sized
+
     def _tail(self, window: deque[float]) -> float:
-        """The ``percentile``-th percentile (nearest rank) of ``window``; 0 until it holds ``SPREAD_MIN_STEPS``."""
+        """The ``tail_percentile``-th percentile (nearest rank) of ``window``; 0 until it holds
+        ``SPREAD_MIN_STEPS``."""
         n = len(window)
         if n < SPREAD_MIN_STEPS:
             return 0.0
-        rank = max(1, n - math.ceil(self.percentile / 100 * n) + 1)  # from the top
+        rank = max(1, n - math.ceil(self.tail_percentile / 100 * n) + 1)  # from the top
         return heapq.nlargest(rank, window)[-1]
 
     def observe_output(self, out: SchedulerOutput, measured: float, gap: float | None = None) -> None:
@@ -263,6 +296,8 @@ class TokenBudget:
         gap: seconds from the previous step's end to this one's, what a decode in ``out`` waited for its token
         (``measured`` plus the host's time between steps); used only for a step with decodes, and ``measured``
         stands in for it when ``None``."""
+        if self.percentile is not None and out.num_decode_tokens:
+            self._count_decodes(out)
         if out.num_prefill_tokens == 0:
             return
         predicted = self.predictor.predict_step_time(out)
