@@ -349,7 +349,8 @@ def provenance_problems(name: str, data) -> list[str]:
     if not isinstance(data, dict):
         return [f"{name}: the top level is a {type(data).__name__}, not an object with {', '.join(PROVENANCE)}"]
     problems = [f"{name}: no {key!r}" for key in PROVENANCE if not data.get(key)]
-    if data.get("commit") and not re.fullmatch(r"[0-9a-f]{7,40}", str(data["commit"])):
+    # "-dirty": made on a checkout with uncommitted changes to tracked files (bench.results.commit() says so)
+    if data.get("commit") and not re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", str(data["commit"])):
         problems.append(f"{name}: commit {data['commit']!r} is no commit id")
     problems += [f"{name}: a machine path at {where or '/'}: {text!r}" for where, text in _strings(data)
                  if MACHINE_PATH.search(text)]
@@ -371,6 +372,8 @@ def test_the_provenance_check_catches_what_it_should():
     assert provenance_problems("x", [1]) == ["x: the top level is a list, not an object with command, commit, machine"]
     assert provenance_problems("x", {**good, "commit": "", "machine": None}) == ["x: no 'commit'", "x: no 'machine'"]
     assert provenance_problems("x", {**good, "commit": "main"}) == ["x: commit 'main' is no commit id"]
+    assert provenance_problems("x", {**good, "commit": "49a4cb4-dirty"}) == []
+    assert provenance_problems("x", {**good, "commit": "49a4cb4-wip"}) == ["x: commit '49a4cb4-wip' is no commit id"]
     bad = {**good, "args": {"out": "/tmp/x.json"}, "profiles": "/work/shared/gpu-profiles",
            "runs": [{"python benchmarks/x.py --out /root/x.json": 1}]}
     assert provenance_problems("x", bad) == [
