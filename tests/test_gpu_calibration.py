@@ -37,8 +37,9 @@ LLAMA3_70B = LayerShape(8192, 64, 8, 128, 28672, 128256)
 PHI2 = LayerShape(2560, 32, 32, 80, 10240, 51200, gated=False)
 PHI2_OPS = tuple(op for op in OPERATORS if op != "post_attention_layernorm")
 
-# (gpu, shape, tokens, tensor parallel, operators, measured ms: the sum of the row's operator medians in
-# ../shared/gpu-profiles/compute/<gpu>/<model>/mlp.csv, repeated rows merged by their median)
+# (gpu, shape, tokens, tensor parallel, operators, measured ms: the sum of the row's operator medians in Vidur's
+# measured profiles, microsoft/vidur commit 7d47513, data/profiling/compute/<gpu>/<org>/<model>/mlp.csv, MIT;
+# repeated rows merged by their median)
 KNOWN_ROWS = [
     ("h100", LLAMA2_7B, 1, 1, OPERATORS, 0.1770),
     ("h100", LLAMA2_7B, 4096, 1, OPERATORS, 2.7193),
