@@ -216,14 +216,16 @@ def test_the_host_time_between_steps_is_added_and_the_controller_sees_the_decode
     budget = TokenBudget(SchedulerConfig(chunk_size="auto", tbt_slo=SLO, tbt_percentile=99.0), cost)
     step = rows(4, 128)
     predicted = cost.predict_step_time(step)
-    for _ in range(100):
-        budget.observe_output(step, predicted, gap=predicted + 0.002)
+    clock = 0.0
+    for _ in range(100):  # each step ends its length plus 2 ms after the one before
+        clock += predicted + 0.002
+        budget.observe_output(step, predicted, end=clock)
     assert budget.correction == pytest.approx(1.0) and budget.spread == pytest.approx(1.0)
     assert budget.between == pytest.approx(0.002)
     assert budget.predict(step) == pytest.approx(predicted + 0.002)
     assert budget.controller._steps[-1] == pytest.approx(predicted + 0.002)  # the gap, not the step
     prefill_only = rows(0, 128)  # no decode waited: its gap is no time between tokens
-    budget.observe_output(prefill_only, predicted, gap=3 * predicted)
+    budget.observe_output(prefill_only, predicted, end=clock + 3 * predicted)
     assert budget.between == pytest.approx(0.002)
 
 
@@ -235,14 +237,15 @@ def test_in_closed_loop_the_budget_leaves_room_for_the_host_time_between_steps()
     config = SchedulerConfig(chunk_size="auto", tbt_slo=SLO, tbt_percentile=99.0, block_size=16, max_num_seqs=8,
                              num_blocks=8192, max_model_len=4096, enable_prefix_caching=False)
     sched = make_scheduler(config, cost)  # 8 decodes at most: they alone never fill the SLO
-    gaps = []
+    gaps, clock = [], 0.0
     for i in range(3000):
         if len(sched.waiting) < 4:  # prompts, and decodes of 300 tokens (contexts stay short)
             sched.add(Request(f"p{i}", [5] * 800, 2 if i % 2 else 300))
         out = sched.schedule()
         step = cost.predict_step_time(out)
         sched.update(out, {s.request_id: TOKEN for s in out.scheduled if s.sample})
-        sched.observe(out, step, step + 0.002)
+        clock += step + 0.002
+        sched.observe(out, step, clock)
         if out.num_prefill_tokens and out.num_decode_tokens:
             gaps.append(step + 0.002)
     late = sorted(gaps[len(gaps) // 3:])

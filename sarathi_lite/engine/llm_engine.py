@@ -145,7 +145,6 @@ class LLMEngine:
         self.model_path, self.device, self.dtype = path, device, dtype
         self.model, self.tokenizer = model, tokenizer
         self.clock = clock
-        self._last_step_end: float | None = None  # when the last non-empty iteration ended (its tokens out)
         self.model_config: ModelConfig = self.model.config
         pool = rank_kv_pool(config, self.model_config, self.model.tp.size, self.dtype, self.device)
         if self.workers is not None:
@@ -406,9 +405,7 @@ class LLMEngine:
         self.metrics.record_step(out, start, scheduled, end, finished, prepare_time=result.prepare_time,
                                  forward_time=result.forward_time, sample_time=result.sample_time,
                                  stage_busy=result.stage_busy)
-        gap = None if self._last_step_end is None else end - self._last_step_end  # its decodes' TBT
-        self._last_step_end = end
-        self.scheduler.observe(out, end - start, gap if gap and gap > 0 else None)
+        self.scheduler.observe(out, end - start, end)
         outputs = self.outputs.process(result.tokens, result.logprobs, lambda req: self._stop_on_string(req, end))
         for o in outputs:
             if o.finish_reason is not None:

@@ -257,7 +257,7 @@ class Instance:
     """One simulated engine: a ``role``, a scheduler and a cost model; ``busy`` while a step runs."""
 
     __slots__ = ("index", "role", "cost_model", "scheduler", "config", "busy", "pending_start", "out", "start",
-                 "timing", "iterations", "label", "last_end")
+                 "timing", "iterations", "label")
 
     def __init__(self, index: int, role: str, pool: PoolSpec) -> None:
         self.index, self.role, self.cost_model = index, role, pool.cost_model
@@ -271,7 +271,6 @@ class Instance:
         self.timing: Any = None
         self.iterations: list[IterationRecord] = []
         self.label = f"{role}{index}"
-        self.last_end: float | None = None  # when its last step ended (its decodes' previous token)
 
 
 @dataclass(slots=True)
@@ -452,8 +451,7 @@ class _Sim:
         assert out is not None
         inst.busy, inst.out = False, None
         finished = sched.update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
-        sched.observe(out, inst.timing.step_time, None if inst.last_end is None else t - inst.last_end)
-        inst.last_end = t
+        sched.observe(out, inst.timing.step_time, t)
         self.record(inst, out, inst.start, inst.start + inst.timing.schedule_time, t)
         if inst.role == "prefill":
             for save in sched.take_kv_saves():

@@ -115,19 +115,16 @@ class _Stages:
         self.num_stages = pipeline_parallel_size(cost_model)
         self.free = [0.0] * self.num_stages  # when each stage finishes the micro-batches it has been given
         self.in_flight: deque[_MicroBatch] = deque()
-        self.last_end: float | None = None  # one stage: the last step's end, its decodes' previous token
 
     def run(self, out: SchedulerOutput, start: float) -> float:
         """Put ``out``, started at ``start``, through the stages and feed its step time (with one stage, also its
-        gap since the previous step's end) to the scheduler's budget; returns when the host is ready for the next
+        end) to the scheduler's budget; returns when the host is ready for the next
         micro-batch (stage 0 is free)."""
         if self.num_stages == 1:  # the whole step on one device group, as the engine measures it
             timing = self.cost_model.predict(out)
             end = start + timing.step_time
             self.apply(out, start, start + timing.schedule_time, end, ())
-            gap = None if self.last_end is None else end - self.last_end  # its decodes' time between tokens
-            self.scheduler.observe(out, timing.step_time, gap)
-            self.last_end = end
+            self.scheduler.observe(out, timing.step_time, end)
             return end
         schedule_time, stage_times, send = stage_timing(self.cost_model, out)
         free, t = self.free, start

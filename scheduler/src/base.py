@@ -306,12 +306,13 @@ class Scheduler:
             (r, min(r.num_prefill_tokens - r.num_computed_tokens, self._prefill_cap(r)))
             for r in (*prefills, *islice(self.waiting, slots))])
 
-    def observe(self, output: SchedulerOutput, step_time: float, gap: float | None = None) -> None:
+    def observe(self, output: SchedulerOutput, step_time: float, end: float | None = None) -> None:
         """Feed the measured ``step_time`` (seconds, the iteration's start to end) of the iteration ``output``,
-        and ``gap`` (seconds from the previous iteration's end to its end: its decodes' time between tokens;
-        ``None``: not known) to the ``chunk_size="auto"`` budget; nothing to do with a fixed chunk size."""
+        and its ``end`` (seconds on the caller's clock, from which the budget takes its decodes' time since the
+        previous iteration's end; ``None``: not known) to the ``chunk_size="auto"`` budget; nothing to do with a
+        fixed chunk size."""
         if self.budget is not None:
-            self.budget.observe_output(output, step_time, gap)
+            self.budget.observe_output(output, step_time, end)
 
     # ------------------------------------------------------------------ building blocks for policies
 

@@ -167,6 +167,7 @@ class TokenBudget:
         self._betweens: deque[float] = deque(maxlen=SPREAD_WINDOW)  # gap - measured, seconds
         self._decodes: deque[tuple[int, int]] = deque(maxlen=SHARE_WINDOW)  # (decode tokens, of them in sized steps)
         self._decodes_all = self._decodes_sized = 0
+        self._last_end: float | None = None  # when the last observed step ended (its decodes' previous token)
 
     @property
     def target(self) -> float:
@@ -287,25 +288,29 @@ class TokenBudget:
         rank = max(1, n - math.ceil(self.tail_percentile / 100 * n) + 1)  # from the top
         return heapq.nlargest(rank, window)[-1]
 
-    def observe_output(self, out: SchedulerOutput, measured: float, gap: float | None = None) -> None:
+    def observe_output(self, out: SchedulerOutput, measured: float, end: float | None = None) -> float | None:
         """``observe`` the iteration ``out`` that took ``measured`` seconds if it had prefill tokens (the steps
         the budget sizes), and hand its decodes' TBT gap to the ``controller`` when the budget sized that step:
         it had decodes and prefill, and was predicted within the target (not a step the minimum chunk or the
         decodes alone pushed over it, whose time no target changes).
 
-        gap: seconds from the previous step's end to this one's, what a decode in ``out`` waited for its token
-        (``measured`` plus the host's time between steps); used only for a step with decodes, and ``measured``
-        stands in for it when ``None``."""
+        end: when the step ended, in seconds on the caller's clock (any, if the same every call). The gap from
+        the previous observed step's end is what a decode in ``out`` waited for its token (``measured`` plus the
+        host's time between steps); it is used only for a step with decodes, and ``measured`` stands in for it
+        when ``end`` is not given (or did not advance). Returns that gap (``None`` when unknown)."""
+        last, self._last_end = self._last_end, end
+        gap = end - last if end is not None and last is not None and end > last else None
         if self.percentile is not None and out.num_decode_tokens:
             self._count_decodes(out)
         if out.num_prefill_tokens == 0:
-            return
+            return gap
         predicted = self.predictor.predict_step_time(out)
         sized = out.num_decode_tokens > 0 and self.corrected(predicted) <= self.target * (1 + 1e-9)
         tbt = gap if gap is not None and out.num_decode_tokens > 0 else None
         self.observe(predicted, measured, tbt)
         if sized and self.controller is not None:
             self.controller.observe(measured if tbt is None else tbt)
+        return gap
 
 
 def largest_fitting(cost: Callable[[int], float], lo: int, hi: int, target: float, bound: float) -> int:

@@ -72,7 +72,6 @@ class SarathiScheduler(AsyncScheduler):
         # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
         self._step_started: dict[int, tuple[float, SchedulerOutput, dict[str, Any]]] = {}
         self._known: set[str] = set()  # the requests a step record has named (live ones only)
-        self._last_update: float | None = None  # perf_counter when the last update_from_output returned
         logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
                     config.chunk_size, config.hol_protection)
 
@@ -147,15 +146,14 @@ class SarathiScheduler(AsyncScheduler):
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         now = time.perf_counter()
-        last, self._last_update = self._last_update, now
         started = self._step_started.pop(id(scheduler_output), None)
         if started is not None:  # the step: scheduled, run, and its tokens out
             t0, rows, record = started
             measured = now - t0
-            gap = now - last if last is not None and now > last else None  # the loop's period: its decodes' TBT
-            record["measured"], record["gap"] = measured, gap
+            record["measured"] = measured
             if not self.scheduler_config.async_scheduling:  # overlapped steps have no step time of their own
-                self.token_budget.observe_output(rows, measured, gap)
+                # the gap since the last step's end: the loop's period, what its decodes waited
+                record["gap"] = self.token_budget.observe_output(rows, measured, now)
             if self._log_file is not None:
                 self._write(record)
         return outputs
