@@ -23,7 +23,7 @@ TINY = 40  # requests per probe: every probe replays the same 40 requests, only 
 
 @pytest.fixture(scope="module")
 def tiny():
-    setup = Setup("llama3-8b", "h100", 2, ttft=1.0, tbt=0.05, chunk_sizes=(512, 2048), max_degree=1)
+    setup = Setup("llama3-8b", "h100", 2, ttft=0.25, tbt=0.025, chunk_sizes=(512, 2048), max_degree=1)
     wl = Workload.from_trace("conversation", num_requests=TINY, qps=1.0, max_prompt=2000, max_output=64)
     return setup, wl, plan(setup, wl, min_requests=TINY, max_requests=TINY, fine_probes=2, backend="serial",
                            progress=False)
@@ -151,7 +151,7 @@ def test_cli_prints_the_ranked_table_and_writes_plot_and_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| 1 | 1C@" in text and "| 2 | 1C@" in text and "goodput req/s/GPU" in text
     saved = json.loads(out.read_text())
-    assert [e["label"] for e in saved["entries"]][:1] == [text.split("| 1 | ")[1].split(" |")[0]]
+    assert [e["label"] for e in saved["entries"]][:1] == [text.split("| 1 | ")[1].split(" |")[0].strip()]
     assert (tmp_path / "plan.png").stat().st_size > 0
     serve = text.split("`sarathi-lite ")[1].split("`")[0]
     build_parser().parse_args(shlex.split(serve))  # the table's arguments parse

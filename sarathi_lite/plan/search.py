@@ -29,8 +29,16 @@ from typing import Any
 import numpy as np
 
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.plan.space import Candidate, Setup, cost_model, deployment, launch, scheduler_options, space, \
-    start_rate
+from sarathi_lite.plan.space import (
+    Candidate,
+    Setup,
+    cost_model,
+    deployment,
+    launch,
+    scheduler_options,
+    space,
+    start_rate,
+)
 from sarathi_lite.sim.disagg import DisaggResult, goodput_from, simulate
 from sarathi_lite.sim.simulator import scheduler_config
 from sarathi_lite.sim.simulator import simulate as simulate_one
