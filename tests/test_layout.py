@@ -32,8 +32,9 @@ ALLOWED = {
     "bench": {"scheduler", "metrics", "engine"},
     "sim": {"scheduler", "metrics", "models", "engine", "bench", "costs"},
     "server": {"engine"},
+    "plan": {"bench", "costs", "engine", "sim"},
     "integrations": {"scheduler", "costs"},
-    "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server", "costs"},
+    "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server", "costs", "plan"},
     "__main__": {"cli"},
 }
 
@@ -63,7 +64,7 @@ TORCH_FREE = ("sarathi_lite", "sarathi_lite.scheduler", "sarathi_lite.metrics", 
               "sarathi_lite.costs.profiled", "sarathi_lite.costs.roofline", "sarathi_lite.costs.spec",
               "sarathi_lite.costs.calibrated", "sarathi_lite.costs.pipeline", "sarathi_lite.sim.gpu_fit",
               "sarathi_lite.sim.simulator", "sarathi_lite.sim.cost_model", "sarathi_lite.sim.roofline",
-              "sarathi_lite.cli")
+              "sarathi_lite.cli", "sarathi_lite.plan")
 
 
 def _modules() -> dict[str, Path]:

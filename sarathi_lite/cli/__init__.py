@@ -1,7 +1,7 @@
 """``sarathi-lite``: the command line. ``generate`` runs prompts under the chunked-prefill scheduler and shows
 how each iteration mixed prefill chunks and decodes, then TTFT/TBT; ``bench`` and ``capacity`` run the serving
-benchmark; ``sim`` and ``profile`` the simulator; ``serve`` the OpenAI-compatible server. Every engine option
-is a flag (``sarathi-lite CMD --help``)."""
+benchmark; ``sim`` and ``profile`` the simulator; ``serve`` the OpenAI-compatible server; ``plan`` ranks
+deployments under SLOs. Every engine option is a flag (``sarathi-lite CMD --help``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from sarathi_lite.cli.bench import add_bench_parsers
 from sarathi_lite.cli.generate import add_generate_parser
+from sarathi_lite.cli.plan import add_plan_parser
 from sarathi_lite.cli.serve import add_serve_parser
 from sarathi_lite.cli.sim import add_sim_parsers
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parsers(sub)
     add_sim_parsers(sub)
     add_serve_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -22,13 +22,16 @@ point:
 Backends: ``"process"`` (``concurrent.futures.ProcessPoolExecutor``, ``workers`` processes, default the CPU
 count), ``"serial"`` (in this process), ``"ray"`` (``ray.init(address=address, **ray_options)`` unless Ray is
 already initialized; a cluster's workers must have sarathi-lite installed). Giving ``address`` selects Ray.
+``run_tasks(fn, items)`` runs any module-level function over picklable items on the same backends (the
+deployment planner's probes, ``sarathi_lite.plan``).
+
 Torch-free; pandas is needed for the frame, tqdm draws the progress bar, Ray only for its backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import lru_cache
 from typing import Any
@@ -174,29 +177,41 @@ def sweep(workloads: Mapping[str, Workload] | Sequence[Workload], cost_models: M
     return pd.DataFrame([rows[i] for i in sorted(rows)])
 
 
-def _execute(todo: list[_Task], backend: str, address: str | None, workers: int | None,
-             ray_options: Mapping[str, Any]) -> Iterable[list[tuple[int, dict[str, Any]]]]:
-    """Each task's rows, in the order they finish."""
+def run_tasks(fn: Callable[[Any], Any], items: Iterable[Any], *, backend: str | None = None,
+              address: str | None = None, workers: int | None = None,
+              ray_options: Mapping[str, Any] | None = None) -> Iterable[Any]:
+    """``fn(item)`` for each of ``items``, yielded in the order they finish, on the sweep's backends (``backend``,
+    ``address``, ``workers``, ``ray_options`` as ``sweep`` takes them). ``fn`` must be a module-level function and
+    the items picklable (they travel to worker processes). Raises ``ValueError`` for an unknown backend."""
+    backend = backend or ("ray" if address else "process")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; choose from {', '.join(BACKENDS)}")
+    yield from _execute(list(items), backend, address, workers, ray_options or {}, fn)
+
+
+def _execute(todo: list[Any], backend: str, address: str | None, workers: int | None,
+             ray_options: Mapping[str, Any], fn: Callable[[Any], Any] = _run) -> Iterable[Any]:
+    """``fn`` of each task (a sweep's: its rows), in the order they finish."""
     if backend == "serial":
-        yield from map(_run, todo)
+        yield from map(fn, todo)
     elif backend == "process":
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(_run, t) for t in todo]
+            futures = [pool.submit(fn, t) for t in todo]
             for f in as_completed(futures):
                 yield f.result()
     else:
-        yield from _ray(todo, address, ray_options)
+        yield from _ray(todo, address, ray_options, fn)
 
 
-def _ray(todo: list[_Task], address: str | None, ray_options: Mapping[str, Any]
-         ) -> Iterable[list[tuple[int, dict[str, Any]]]]:
+def _ray(todo: list[Any], address: str | None, ray_options: Mapping[str, Any], fn: Callable[[Any], Any]
+         ) -> Iterable[Any]:
     import ray
 
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, **{"include_dashboard": False, "log_to_driver": False, **ray_options})
     try:
-        run = ray.remote(_run)
+        run = ray.remote(fn)
         pending = [run.remote(t) for t in todo]
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)

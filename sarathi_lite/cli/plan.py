@@ -1,0 +1,94 @@
+"""``sarathi-lite plan``: which deployment of MODEL on GPUS x GPU serves the most requests per GPU within a TTFT
+and a P99 TBT SLO, simulated (``sarathi_lite.plan``): colocated replicas at each chunk size and ``auto``, every
+xPyD split and its conditional variant, tensor and pipeline degrees that fit; a ranked table with the arguments
+that run each, the commands of the best, and optionally a figure and the JSON.
+
+    sarathi-lite plan --model llama3-8b --gpu h100 --gpus 4 --trace conversation --ttft 1 --tbt 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.plan import CHUNK_SIZES, Setup, commands, plan, plot, table
+from sarathi_lite.plan.space import parse_chunk_sizes
+from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS
+from sarathi_lite.sim.sweeps import BACKENDS
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    setup = Setup(args.model, args.gpu, args.gpus, args.ttft, args.tbt, args.attainment,
+                  chunk_sizes=parse_chunk_sizes(args.chunk_sizes), prefill_chunk=args.prefill_chunk,
+                  decode_chunk=args.decode_chunk, threshold=args.threshold if args.threshold >= 0 else None,
+                  link=args.link, max_degree=args.max_degree, checkpoint=args.checkpoint)
+    workload = _workload(args)
+    result = plan(setup, workload, min_requests=args.requests, max_requests=args.max_requests,
+                  fine_probes=args.fine_probes, backend=args.backend, workers=args.workers, address=args.address,
+                  progress=not args.no_progress)
+    print(table(result, top=args.top))
+    print("\nTop entries:\n" + commands(result, top=min(3, len(result.entries))))
+    if args.plot:
+        print(f"plot: {plot(result, args.plot, top=args.top or 20)}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    if args.requests < 1 or args.max_requests < args.requests:
+        raise ValueError(f"--requests {args.requests} and --max-requests {args.max_requests}: need "
+                         f"1 <= requests <= max-requests")
+    if args.lengths:
+        return Workload.synthetic(args.lengths, num_requests=args.max_requests, qps=1.0,
+                                  max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
+    return Workload.from_trace(args.trace, num_requests=args.max_requests, start=args.start, qps=1.0,
+                               max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
+
+
+def add_plan_parser(sub: Any) -> None:
+    """Add ``plan`` to the ``sarathi-lite`` subcommands."""
+    p = sub.add_parser("plan", help="rank deployments of a model on GPUs by simulated goodput under SLOs",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a model shape preset (llama3-8b, llama3-70b, ...) or a "
+                                                   "config.json / checkpoint folder")
+    p.add_argument("--gpu", required=True, help="a hardware preset (h100, a100-80gb, h200)")
+    p.add_argument("--gpus", type=int, required=True, help="how many GPUs")
+    p.add_argument("--ttft", type=float, required=True, help="TTFT SLO (seconds)")
+    p.add_argument("--tbt", type=float, required=True, help="per-request P99 time-between-tokens SLO (seconds)")
+    p.add_argument("--attainment", type=float, default=DEFAULT_ATTAINMENT,
+                   help=f"share of requests that must meet both SLOs (default {DEFAULT_ATTAINMENT})")
+    g = p.add_argument_group("workload (lengths and order; the search sets the rates)")
+    g.add_argument("--trace", default="conversation", help="a built-in trace (conversation, arxiv) or a CSV path")
+    g.add_argument("--lengths", default=None, help="synthetic lengths instead of a trace (as sarathi-lite sim)")
+    g.add_argument("--start", type=int, default=0, help="first trace row")
+    g.add_argument("--max-prompt", type=int, default=7000, help="clip prompts (tokens; the study's 7,000)")
+    g.add_argument("--max-output", type=int, default=1000, help="clip outputs (tokens; the study's 1,000)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("search")
+    g.add_argument("--chunk-sizes", default=",".join(map(str, CHUNK_SIZES)),
+                   help="colocated chunk sizes, comma-separated, 'auto' included (default %(default)s)")
+    g.add_argument("--prefill-chunk", type=int, default=2048, help="prefill instances' chunk size")
+    g.add_argument("--decode-chunk", type=int, default=512, help="decode instances' chunk size")
+    g.add_argument("--threshold", type=int, default=512,
+                   help="conditional variants: prompt tokens prefilled on a decode instance (-1: none)")
+    g.add_argument("--link", default="infiniband", choices=list(LINKS), help="KV transfer link")
+    g.add_argument("--max-degree", type=int, default=None, help="largest tensor x pipeline degree tried")
+    g.add_argument("--requests", type=int, default=300, help="fewest requests per probe (default 300)")
+    g.add_argument("--max-requests", type=int, default=1500, help="most requests per probe (default 1500)")
+    g.add_argument("--fine-probes", type=int, default=3, help="probes refining each contender (default 3)")
+    g.add_argument("--backend", default=None, choices=BACKENDS, help="sweep backend (default: process pool)")
+    g.add_argument("--workers", type=int, default=None, help="processes (default: the CPU count)")
+    g.add_argument("--address", default=None, help="a Ray cluster's address (selects the ray backend)")
+    g = p.add_argument_group("output")
+    g.add_argument("--checkpoint", default=None, help="the model the printed commands name (default: --model)")
+    g.add_argument("--top", type=int, default=None, help="rows of the table (default: all)")
+    g.add_argument("--plot", default=None, help="write the ranking's figure to this file (needs matplotlib)")
+    g.add_argument("--json", default=None, help="write the plan (every probe) to this JSON file")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_plan)

@@ -1,0 +1,89 @@
+"""The plan as text (the ranked table, the commands of the top entries) and as a figure (``plot``)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from sarathi_lite.plan.search import Entry, Plan
+from sarathi_lite.plan.space import llm_text
+
+
+def _rate(entry: Entry) -> str:
+    held, failing = entry.bracket()
+    if entry.error:
+        return "error"
+    if held is None:
+        return "0 (fails at the lowest rate)"
+    if failing is None:
+        return f">= {held / entry.num_gpus:.2f}"
+    return f"{held / entry.num_gpus:.2f}-{failing / entry.num_gpus:.2f}"
+
+
+def table(result: Plan, top: int | None = None) -> str:
+    """The ranking as a markdown table: rank, configuration, GPUs, goodput per GPU (requests/s), the bracket the
+    probes left (per GPU), what limits it, whether it was refined, and the ``serve`` arguments."""
+    s = result.setup
+    lines = [f"Plan: {s.model} on {s.gpus} x {s.gpu} ({'calibrated' if s.calibrated else 'analytic roofline'}), "
+             f"SLOs TTFT {s.ttft:g} s and P99 TBT {s.tbt * 1000:g} ms for {s.attainment:.0%} of requests; "
+             f"{result.workload}; {len(result.entries)} candidates, {result.num_probes} probes, "
+             f"{result.wall_time:.0f} s", "",
+             "| # | configuration | GPUs | goodput req/s/GPU | bracket | limited by | refined | sarathi-lite "
+             "arguments |", "|---|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(result.entries[:top] if top else result.entries, 1):
+        run = result.launch(e)
+        args = shlex.join(["sarathi-lite", *run["serve"]])
+        if run["note"]:
+            args += f" ({run['note']})"
+        lines.append(f"| {i} | {e.label} | {e.num_gpus} | {e.goodput:.2f} | {_rate(e)} | "
+                     f"{e.error or e.limiting} | {'yes' if e.refined else 'no'} | `{args}` |")
+    if result.skipped:
+        lines += ["", "Did not fit: " + "; ".join(f"{shape}: {why}" for shape, why in result.skipped)]
+    return "\n".join(lines)
+
+
+def commands(result: Plan, top: int = 3) -> str:
+    """The ``LLM(...)`` call and the ``serve`` command of the ``top`` entries."""
+    out = []
+    for i, e in enumerate(result.entries[:top], 1):
+        run = result.launch(e)
+        out += [f"{i}. {e.label}: {e.goodput:.2f} req/s/GPU", f"   {llm_text(run['llm'])}",
+                f"   {shlex.join(['sarathi-lite', *run['serve']])}"]
+        if run["note"]:
+            out.append(f"   note: {run['note']}")
+    return "\n".join(out)
+
+
+def plot(result: Plan, path: str | Path, top: int | None = 20) -> Path:
+    """A horizontal bar per entry (best at the top): goodput per GPU, colored by organization (colocated,
+    disaggregated, conditional), the bracket as an error bar. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = result.entries[:top] if top else result.entries
+    colors = {"colocated": "tab:blue", "disaggregated": "tab:orange", "conditional": "tab:green"}
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(entries) + 1.5))
+    for y, e in enumerate(reversed(entries)):
+        kind = "colocated" if e.candidate.colocated else ("conditional" if e.candidate.threshold is not None
+                                                          else "disaggregated")
+        held, failing = e.bracket()
+        err = None
+        if held is not None and failing is not None:
+            g = e.goodput
+            err = [[g - held / e.num_gpus], [failing / e.num_gpus - g]]
+        ax.barh(y, e.goodput, color=colors[kind], xerr=err, capsize=2,
+                label=kind if kind not in ax.get_legend_handles_labels()[1] else None)
+    ax.set_yticks(range(len(entries)), [e.label for e in reversed(entries)], fontsize=8)
+    s = result.setup
+    ax.set_xlabel("goodput per GPU (requests/s)")
+    ax.set_title(f"{s.model}, {s.gpus} x {s.gpu}: TTFT {s.ttft:g} s, P99 TBT {s.tbt * 1000:g} ms, "
+                 f"{s.attainment:.0%}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,279 @@
+"""What the planner searches: a ``Setup`` (model, GPU preset and count, SLOs and the knobs of the space), the
+``Candidate`` deployments that fit it, their simulated form and the arguments that run each for real.
+
+The space, for every tensor-parallel degree T and pipeline degree P (powers of two) whose instance fits the GPU
+(its weights leave a KV pool; the cost model's constructor says so):
+
+- ``N`` colocated ``sarathi`` replicas (``N = gpus // (T * P)``) at each of ``chunk_sizes`` (``"auto"``: the budget
+  sized to the TBT SLO by the cost model, aiming at P99; not under pipeline parallelism);
+- with ``P = 1`` and ``N >= 2``: every ``xPyD`` split (``x + y = N``) with prefill chunk ``prefill_chunk`` and
+  decode chunk ``decode_chunk``, and the conditional variant of each split with ``x <= y`` (prompts of at most
+  ``threshold`` tokens prefilled on a decode instance), KV over ``link``;
+- with ``P > 1``: one instance over all its GPUs only (``T * P == gpus``): replicas of a pipelined instance
+  would need the simulator of several instances to pipeline, which it does not (``sim.disagg`` runs one step
+  at a time per instance).
+
+These are the organizations of the colocate-or-disaggregate study (benchmarks/colocate_vs_disaggregate.py), which
+the planner extends with ``auto`` and the parallel degrees.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import CostModel, roofline
+from sarathi_lite.costs.calibrated import CALIBRATED_HARDWARE, calibrated
+from sarathi_lite.costs.roofline import hardware, model_shape
+from sarathi_lite.engine.config import OPTIONS, parse_chunk_size
+from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS, Deployment
+
+CHUNK_SIZES: tuple[int | str, ...] = (256, 512, 1024, 2048, "auto")
+SIM_OPTIONS = {"enable_prefix_caching": False, "max_num_seqs": 512}
+"""Every instance's scheduler options, as the study's: the traces share no prefix, and seats never bind."""
+AUTO_PERCENTILE = 99.0
+"""``chunk_size="auto"`` aims at this percentile of time between tokens (``tbt_percentile``)."""
+LLAMA3_8B_BYTES = 16.06e9
+"""Llama-3-8B's weights in bf16 (bytes), the reference of ``start_rate``."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What to plan for: ``model`` (a shape preset or a config.json / checkpoint folder), ``gpu`` (a hardware
+    preset), ``gpus`` (how many), SLOs ``ttft`` (seconds) and ``tbt`` (a request's P99 time between tokens,
+    seconds) met by at least ``attainment`` of the requests; the space's knobs (module docstring); ``max_degree``:
+    the largest tensor x pipeline degree tried (default: ``gpus``); ``checkpoint``: the model the printed commands
+    name (default: ``model``). Raises ``ValueError`` naming a bad value."""
+
+    model: str
+    gpu: str
+    gpus: int
+    ttft: float
+    tbt: float
+    attainment: float = DEFAULT_ATTAINMENT
+    chunk_sizes: tuple[int | str, ...] = CHUNK_SIZES
+    prefill_chunk: int = 2048
+    decode_chunk: int = 512
+    threshold: int | None = 512
+    link: str = "infiniband"
+    max_degree: int | None = None
+    checkpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ValueError(f"gpus={self.gpus!r} must be a positive integer")
+        for name in ("ttft", "tbt"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r}: SLOs must be positive (seconds)")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment={self.attainment!r} must be in (0, 1]")
+        if self.link not in LINKS:
+            raise ValueError(f"link={self.link!r}; choose from {', '.join(LINKS)}")
+        if not self.chunk_sizes:
+            raise ValueError("chunk_sizes is empty: give at least one chunk size (or 'auto')")
+        for c in (*self.chunk_sizes, self.prefill_chunk, self.decode_chunk):
+            if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+                raise ValueError(f"chunk size {c!r} is neither a positive token count nor 'auto'")
+        if self.max_degree is not None and self.max_degree < 1:
+            raise ValueError(f"max_degree={self.max_degree!r} must be >= 1")
+        hardware(self.gpu)  # an unknown preset: the error names it and the presets
+        model_shape(self.model)  # an unknown model: the error names it and the presets
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether steps are priced on measured GPU timings (else the analytic roofline)."""
+        return self.gpu.lower() in CALIBRATED_HARDWARE
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One deployment of the space: ``layout`` (``"4C"``, ``"2P2D"``), each instance's tensor (``tp``) and
+    pipeline (``pp``) degree, ``chunk_size`` (a replica's, or a decode instance's), ``prefill_chunk`` (prefill
+    instances') and the conditional ``threshold``."""
+
+    layout: str
+    tp: int = 1
+    pp: int = 1
+    chunk_size: int | str = 512
+    prefill_chunk: int | None = None
+    threshold: int | None = None
+
+    @property
+    def colocated(self) -> bool:
+        return self.layout.endswith("C")
+
+    @property
+    def instances(self) -> int:
+        if self.colocated:
+            return int(self.layout[:-1])
+        x, _, y = self.layout[:-1].partition("P")
+        return int(x) + int(y)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.instances * self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        """As the study labels it (``4C@1024``, ``2P2D/cond512``), with the degrees when not 1 (`` tp2 pp2``)."""
+        base = f"{self.layout}@{self.chunk_size}" if self.colocated else self.layout
+        if self.threshold is not None:
+            base += f"/cond{self.threshold}"
+        return base + (f" tp{self.tp}" if self.tp > 1 else "") + (f" pp{self.pp}" if self.pp > 1 else "")
+
+
+@dataclass(slots=True)
+class Space:
+    """The candidates that fit, and the instance shapes that did not with the reason (``skipped``)."""
+
+    candidates: list[Candidate]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _powers_of_two(top: int) -> list[int]:
+    return [1 << i for i in range(int(math.log2(top)) + 1)]
+
+
+@lru_cache(maxsize=64)
+def cost_model(model: str, gpu: str, tp: int = 1, pp: int = 1) -> CostModel:
+    """The cost model of one instance: calibrated on measured timings where the preset has them, else the
+    analytic roofline. Raises ``ValueError`` when the model does not fit (no memory left for a KV pool, heads
+    or layers that do not split)."""
+    if gpu.lower() in CALIBRATED_HARDWARE:
+        return calibrated(gpu.lower(), model, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    return roofline(gpu.lower(), model, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+def cost_spec(setup: Setup, tp: int) -> str:
+    """The ``cost_model`` text (``roofline:2xh100:llama3-8b``) the engine's ``auto`` budget loads for it."""
+    return f"roofline:{f'{tp}x' if tp > 1 else ''}{setup.gpu.lower()}:{setup.model}"
+
+
+def space(setup: Setup) -> Space:
+    """Every candidate of ``setup`` (module docstring). Raises ``ValueError`` naming the model, GPU and count
+    when none fits."""
+    out = Space([])
+    top = setup.max_degree or setup.gpus
+    for tp in _powers_of_two(min(top, setup.gpus)):
+        for pp in _powers_of_two(min(top, setup.gpus) // tp):
+            n = setup.gpus // (tp * pp)
+            if n < 1 or (pp > 1 and n != 1):
+                continue
+            try:
+                cost_model(setup.model, setup.gpu, tp, pp)
+            except ValueError as e:
+                out.skipped.append((f"tp{tp} pp{pp}", str(e)))
+                continue
+            out.candidates += _organizations(setup, n, tp, pp)
+    if not out.candidates:
+        reasons = "; ".join(f"{shape}: {why}" for shape, why in out.skipped) or "no instance shape to try"
+        raise ValueError(f"model={setup.model!r} fits no deployment on gpus={setup.gpus} x gpu={setup.gpu!r} "
+                         f"({reasons})")
+    return out
+
+
+def _organizations(setup: Setup, n: int, tp: int, pp: int) -> list[Candidate]:
+    chunks = [c for c in setup.chunk_sizes if pp == 1 or c != "auto"]
+    found = [Candidate(f"{n}C", tp, pp, c) for c in chunks]
+    if pp == 1:
+        for x in range(1, n):
+            found.append(Candidate(f"{x}P{n - x}D", tp, 1, setup.decode_chunk, setup.prefill_chunk))
+            if setup.threshold is not None and x <= n - x:
+                found.append(Candidate(f"{x}P{n - x}D", tp, 1, setup.decode_chunk, setup.prefill_chunk,
+                                       setup.threshold))
+    return found
+
+
+def scheduler_options(setup: Setup, chunk: int | str) -> dict[str, Any]:
+    """The scheduler options of an instance at ``chunk`` (``auto``: the TBT target and its percentile)."""
+    if chunk == "auto":
+        return {**SIM_OPTIONS, "tbt_slo": setup.tbt, "tbt_percentile": AUTO_PERCENTILE}
+    return dict(SIM_OPTIONS)
+
+
+def deployment(setup: Setup, cand: Candidate) -> Deployment:
+    """The simulated deployment of ``cand`` (``sim.disagg``)."""
+    cm = cost_model(setup.model, setup.gpu, cand.tp, cand.pp)
+    if cand.colocated:
+        return Deployment.parse(cand.layout, cm, chunk_size=cand.chunk_size,
+                                options=scheduler_options(setup, cand.chunk_size))
+    return Deployment.parse(cand.layout, cm, chunk_size=cand.chunk_size, prefill_chunk_size=cand.prefill_chunk,
+                            threshold=cand.threshold, link=LINKS[setup.link],
+                            options=scheduler_options(setup, cand.chunk_size))
+
+
+def start_rate(setup: Setup, workload: Workload) -> float:
+    """Where a candidate's rate search starts (requests/s per GPU, on the grid ``2 ** (k / 2)``): the study's 2
+    for Llama-3-8B on the conversation trace (1,324 tokens a request), scaled by the model's weights and the
+    requests' mean tokens."""
+    _, m = model_shape(setup.model)
+    weights = 2 * (m.num_layers * m.layer_weights(1) + m.lm_head_weights(1))
+    tokens = sum(r.prompt_len + r.output_len for r in workload.requests) / max(len(workload.requests), 1)
+    guess = 2.0 * (LLAMA3_8B_BYTES / weights) * (1324.0 / max(tokens, 1.0))
+    return 2.0 ** (math.floor(2 * math.log2(guess) + 1e-6) / 2)
+
+
+# ---------------------------------------------------------------------- how to run it for real
+
+def launch(setup: Setup, cand: Candidate) -> dict[str, Any]:
+    """How to run ``cand``: ``llm`` (``LLM(...)``'s keywords, with ``disaggregation`` as text), ``serve``
+    (``sarathi-lite serve``'s arguments) and ``note`` (what the real engine cannot run as simulated)."""
+    model = setup.checkpoint or setup.model
+    common: dict[str, Any] = {"chunk_size": cand.chunk_size, **SIM_OPTIONS}
+    if cand.chunk_size == "auto":
+        common.update(cost_model=cost_spec(setup, cand.tp), tbt_slo=setup.tbt, tbt_percentile=AUTO_PERCENTILE)
+    if cand.tp > 1:
+        common["tensor_parallel_size"] = cand.tp
+    if cand.pp > 1:
+        common["pipeline_parallel_size"] = cand.pp
+    llm: dict[str, Any] = {"model": model}
+    serve = ["serve", model]
+    notes = []
+    if cand.colocated and cand.instances > 1:
+        llm["disaggregation"] = repr(str(cand.instances))
+        serve += ["--data-parallel-size", str(cand.instances)]
+    elif not cand.colocated:
+        llm["disaggregation"] = (f"Layout.parse({cand.layout!r}, threshold={cand.threshold})"
+                                 if cand.threshold is not None else repr(cand.layout))
+        serve += ["--instances", cand.layout]
+        if cand.threshold is not None:
+            serve += ["--conditional-threshold", str(cand.threshold)]
+        if cand.prefill_chunk != cand.chunk_size:
+            llm["prefill_options"] = {"chunk_size": cand.prefill_chunk}
+            notes.append(f"serve has no per-role chunk size: --chunk-size sets both roles (LLM's prefill_options "
+                         f"gives the prefill instances {cand.prefill_chunk})")
+    if cand.instances > 1 and cand.tp * cand.pp > 1:
+        notes.append("instances as processes run tensor/pipeline degree 1 only (engine.instances)")
+    llm.update(common)
+    serve += _flags(common)
+    return {"llm": llm, "serve": serve, "note": "; ".join(notes)}
+
+
+def _flags(options: dict[str, Any]) -> list[str]:
+    """The command-line flags of engine options (``cli.common.flag_name``'s rule)."""
+    out = []
+    for name, value in options.items():
+        flag = "--" + OPTIONS[name].metadata.get("flag", name).replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def llm_text(llm: dict[str, Any]) -> str:
+    """``LLM(...)`` as Python text (``disaggregation`` is already text)."""
+    parts = [repr(llm["model"])]
+    for k, v in llm.items():
+        if k != "model":
+            parts.append(f"{k}={v}" if k == "disaggregation" else f"{k}={v!r}")
+    return f"LLM({', '.join(parts)})"
+
+
+def parse_chunk_sizes(text: str) -> tuple[int | str, ...]:
+    """``"256,512,auto"`` -> ``(256, 512, "auto")``; raises ``ValueError`` naming bad text."""
+    return tuple(parse_chunk_size(x.strip()) for x in text.split(",") if x.strip())
