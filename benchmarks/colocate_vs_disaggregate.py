@@ -48,6 +48,7 @@ from typing import Any
 
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.plan.search import PROBE_SECONDS, probe_workload
 from sarathi_lite.sim.cost_model import CostModel
 from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS, Deployment, Link, RateSweep, simulate
 from sarathi_lite.sim.simulator import load_cost_model
@@ -63,7 +64,6 @@ SETUPS = {
 }
 """name -> (cost model, lowest rate of the sweep in requests/s per GPU)."""
 RATE_STEPS = 12  # grid points: lowest * sqrt(2) ** k
-PROBE_SECONDS = 15.0  # each probe's arrivals span at least this long (within the request limits)
 TIE = 0.05  # goodputs within 5% of each other: neither organization wins
 OPTIONS = {"enable_prefix_caching": False, "max_num_seqs": 512}  # the traces share no prefix; seats never bind
 
@@ -107,13 +107,6 @@ def label_of(dep: Deployment) -> str:
     if dep.colocated is not None:
         return f"{dep.label}@{dep.colocated.chunk_size}"
     return dep.label
-
-
-def probe_workload(workload: Workload, qps: float, min_requests: int, max_requests: int) -> Workload:
-    """The first requests of ``workload`` at ``qps`` requests/s: enough for ``PROBE_SECONDS`` of arrivals, at
-    least ``min_requests`` and at most ``max_requests``."""
-    n = min(max(min_requests, math.ceil(qps * PROBE_SECONDS)), max_requests, len(workload))
-    return Workload(workload.requests[:n], workload.source, workload.seed).at_qps(qps)
 
 
 def sweep(dep: Deployment, workload: Workload, lowest: float, min_requests: int, max_requests: int) -> RateSweep:
