@@ -28,7 +28,7 @@ measures the scheduling of both organizations on one machine, not a network tran
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,19 @@ _STORE_IDS = itertools.count()
 PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 """How a real engine runs a request *prefill only* (``coordinator``): one token, by length (EOS and stop strings
 off), so the prompt's K/V is always kept for sending; the decode side samples the first token again."""
+
+
+def deployment_stats(stats: Iterable[tuple[str, Stats]]) -> Stats:
+    """A deployment's ``Stats`` from its instances' ``(role, stats)``: the per-request records of the instances
+    that produce outputs (decode instances and replicas; TTFT from the arrival, so it includes the prefill
+    elsewhere) and every instance's iterations."""
+    requests: list[Any] = []
+    iterations: list[Any] = []
+    for role, s in stats:
+        if role != PREFILL:
+            requests += s.requests
+        iterations += s.iterations
+    return Stats(requests, iterations)
 
 
 class EngineInstance:
@@ -189,11 +202,8 @@ class DisaggregatedEngine:
         return [e for role in (PREFILL, DECODE, COLOCATED) for e in self.engines[role]]
 
     def stats(self) -> Stats:
-        """Per-request records of the instances that produce outputs (decode instances and replicas; TTFT from
-        the arrival, so it includes the prefill elsewhere) and every instance's iterations."""
-        outputs = [e for role in (DECODE, COLOCATED) for e in self.engines[role]]
-        requests = [m for e in outputs for m in e.stats().requests]
-        return Stats(requests, [it for e in self._all() for it in e.stats().iterations])
+        """``deployment_stats`` of every instance."""
+        return deployment_stats((role, e.stats()) for role in (PREFILL, DECODE, COLOCATED) for e in self.engines[role])
 
     def shutdown(self) -> None:
         for engine in self._all():

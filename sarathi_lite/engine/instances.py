@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 
 from sarathi_lite.engine import instance_rpc as rpc
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.disagg import PREFILL_ONLY
+from sarathi_lite.engine.disagg import PREFILL_ONLY, deployment_stats
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.instance_child import START_TIMEOUT, InstanceSpec, instance_main
 from sarathi_lite.engine.llm_engine import _load_tokenizer
@@ -607,15 +607,8 @@ class ProcessEngine:
     # ------------------------------------------------------------------ records
 
     def stats(self) -> Stats:
-        """Per-request records of the instances that produce outputs (decode instances and replicas; TTFT from
-        the arrival, so it includes the prefill elsewhere) and every live instance's iterations."""
-        requests, iterations = [], []
-        for inst in self._live():
-            s = self.call(inst, rpc.GetStats())
-            if inst.role != PREFILL:
-                requests += s.requests
-            iterations += s.iterations
-        return Stats(requests, iterations)
+        """``deployment_stats`` of every live instance."""
+        return deployment_stats([(inst.role, self.call(inst, rpc.GetStats())) for inst in self._live()])
 
     def reset_stats(self) -> None:
         for inst in self._live():
