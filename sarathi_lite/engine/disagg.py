@@ -1,8 +1,8 @@
 """Disaggregated prefill/decode (and colocated replicas) behind one router, in one process.
 
 ``DisaggregatedEngine`` runs several ``LLMEngine`` instances on one set of loaded weights, each with its own KV
-pool, scheduler and policy options, and routes requests over them with ``sarathi_lite.scheduler.routing`` (the rules the
-simulator uses):
+pool, scheduler and policy options, behind ``sarathi_lite.scheduler.coordinator`` (the routing and hand-over the
+simulator and the instance processes drive too):
 
 - colocated replicas (``"2"``): data parallel, each request served whole by one replica;
 - ``"xPyD"``: a prompt is prefilled on a prefill instance as a request with ``max_tokens=1`` (EOS and stop
@@ -28,7 +28,7 @@ measures the scheduling of both organizations on one machine, not a network tran
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,52 @@ from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import Stats
-from sarathi_lite.scheduler.routing import COLOCATED, DECODE, PREFILL, Layout, pick_decode, route_arrival
+from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
+from sarathi_lite.scheduler.routing import COLOCATED, DECODE, PREFILL, Layout, Load, load_of
 
 _STORE_IDS = itertools.count()
+
+PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+"""How a real engine runs a request *prefill only* (``coordinator``): one token, by length (EOS and stop strings
+off), so the prompt's K/V is always kept for sending; the decode side samples the first token again."""
+
+
+def deployment_stats(stats: Iterable[tuple[str, Stats]]) -> Stats:
+    """A deployment's ``Stats`` from its instances' ``(role, stats)``: the per-request records of the instances
+    that produce outputs (decode instances and replicas; TTFT from the arrival, so it includes the prefill
+    elsewhere) and every instance's iterations."""
+    requests: list[Any] = []
+    iterations: list[Any] = []
+    for role, s in stats:
+        if role != PREFILL:
+            requests += s.requests
+        iterations += s.iterations
+    return Stats(requests, iterations)
+
+
+class EngineInstance:
+    """One ``LLMEngine`` of a ``DisaggregatedEngine`` as a ``coordinator.Instance``; its K/V goes through the
+    in-process store ``store``."""
+
+    __slots__ = ("engine", "role", "name", "requests", "store")
+
+    def __init__(self, engine: LLMEngine, role: str, index: int, store: Any) -> None:
+        self.engine, self.role, self.name, self.store = engine, role, f"{role}{index}", store
+        self.requests: set[str] = set()
+
+    def load(self) -> Load:
+        return load_of(self.engine.scheduler)
+
+    def add(self, record: RequestRecord, prefill_only: bool, num_external_tokens: int, hold: Hold | None) -> None:
+        prompt, token_ids, params = record.payload
+        if prefill_only:
+            self.engine.add_request(record.request_id, token_ids, PREFILL_ONLY, record.arrival)
+        else:
+            self.engine.add_request(record.request_id, prompt, params, record.arrival,
+                                    num_external_tokens=num_external_tokens)
+
+    def release(self, request_id: str, token: Any) -> None:
+        self.store.pop(request_id)  # the K/V the decode side did not load (a full prefix-cache hit, an abort)
 
 
 class DisaggregatedEngine:
@@ -77,9 +120,10 @@ class DisaggregatedEngine:
         self.model_config = source.model_config
         self.model_path = source.model_path
         self._source = source
-        self._requests: dict[str, tuple[str | Sequence[int], SamplingParams, float, int]] = {}
-        self._where: dict[str, tuple[str, int]] = {}
-        self.routes: dict[str, list[str]] = {}
+        self.coordinator = Coordinator(self.layout, {role: [EngineInstance(e, role, i, self.store)
+                                                            for i, e in enumerate(engines)]
+                                                     for role, engines in self.engines.items()})
+        self.routes = self.coordinator.routes
         """request id -> the instances it went through, e.g. ``["prefill0", "decode1"]``."""
 
     @property
@@ -96,39 +140,29 @@ class DisaggregatedEngine:
         """Queue a request on the instance the router picks. Raises ``ValueError`` for bad input (nothing is
         queued then) or an id in use."""
         params = params or SamplingParams()
-        if request_id in self._where:
+        if request_id in self.coordinator.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
         _, token_ids = self._source._tokenize(request_id, prompt)
         arrival = self._source.clock() if arrival_time is None else arrival_time
-        role, index = route_arrival(len(token_ids), self.layout, *self._schedulers())
-        engine = self.engines[role][index]
-        if role == PREFILL:
-            engine.add_request(request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                               arrival)
-        else:
-            engine.add_request(request_id, prompt, params, arrival)
-        self._requests[request_id] = (prompt, params, arrival, len(token_ids))
-        self._where[request_id] = (role, index)
-        self.routes[request_id] = [f"{role}{index}"]
+        self.coordinator.arrive(request_id, len(token_ids), arrival, (prompt, token_ids, params))
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request wherever it is (waiting or mid-prefill on a prefill instance, waiting for its K/V or
         decoding on a decode instance) and free its blocks on every instance. Raises ``ValueError`` for an unknown
         id."""
-        where = self._where.pop(request_id, None)
+        where = self.coordinator.where(request_id)
         if where is None:
             raise ValueError(f"request_id={request_id!r} is unknown or already finished")
-        role, index = where
-        output = self.engines[role][index].abort_request(request_id)
+        output = where.engine.abort_request(request_id)
+        self.coordinator.finish(request_id)
         self.store.pop(request_id)
-        self._requests.pop(request_id, None)
         return output
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self._all())
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._where)
+        return len(self.coordinator.requests)
 
     def reset_prefix_cache(self) -> int:
         return sum(e.reset_prefix_cache() for e in self._all())
@@ -153,40 +187,23 @@ class DisaggregatedEngine:
                     found += engine.step()  # the step only loaded K/V
                 for out in found:
                     if out.finished:
-                        self._where.pop(out.request_id, None)
-                        self._requests.pop(out.request_id, None)
-                        self.store.pop(out.request_id)  # K/V never loaded (a full prefix-cache hit)
+                        self.coordinator.finish(out.request_id)  # releases K/V never loaded (a full prefix hit)
                 outputs += found
         for engine in self.engines[PREFILL]:
             if engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished:
-                        self._hand_over(out.request_id)
+                    if out.finished:  # its K/V is saved in the store: the coordinator hands it over
+                        self.coordinator.hand_over(out.request_id)
         return outputs
-
-    def _hand_over(self, request_id: str) -> None:
-        """A prompt was prefilled and its K/V saved: add the request to the decode instance the router picks."""
-        prompt, params, arrival, prompt_len = self._requests[request_id]
-        index = pick_decode([e.scheduler for e in self.engines[DECODE]])
-        self.engines[DECODE][index].add_request(request_id, prompt, params, arrival,
-                                                num_external_tokens=prompt_len - 1)
-        self._where[request_id] = (DECODE, index)
-        self.routes[request_id].append(f"{DECODE}{index}")
 
     # ------------------------------------------------------------------ helpers
 
     def _all(self) -> list[LLMEngine]:
         return [e for role in (PREFILL, DECODE, COLOCATED) for e in self.engines[role]]
 
-    def _schedulers(self) -> tuple[list[Any], list[Any], list[Any]]:
-        return tuple([e.scheduler for e in self.engines[role]] for role in (COLOCATED, PREFILL, DECODE))
-
     def stats(self) -> Stats:
-        """Per-request records of the instances that produce outputs (decode instances and replicas; TTFT from
-        the arrival, so it includes the prefill elsewhere) and every instance's iterations."""
-        outputs = [e for role in (DECODE, COLOCATED) for e in self.engines[role]]
-        requests = [m for e in outputs for m in e.stats().requests]
-        return Stats(requests, [it for e in self._all() for it in e.stats().iterations])
+        """``deployment_stats`` of every instance."""
+        return deployment_stats((role, e.stats()) for role in (PREFILL, DECODE, COLOCATED) for e in self.engines[role])
 
     def shutdown(self) -> None:
         for engine in self._all():

@@ -7,9 +7,9 @@ decode instance itself and never moves. Each instance has its own cost model (it
 cost model's) and its own ``Scheduler`` (``sarathi_lite.scheduler``, the classes the engine runs), so every batch
 decision is the real one; only the forward pass is a predicted step time.
 
-How a disaggregated request moves (the same steps as the real engine's, ``scheduler.kv_transfer``):
-
-Routing is ``sarathi_lite.scheduler.routing``'s, the real router's.
+How a disaggregated request moves (the same steps as the real engine's, ``scheduler.kv_transfer``). The routing
+and the hand-over are ``sarathi_lite.scheduler.coordinator``'s, which the real engines drive too: the simulator
+feeds it simulated step ends and transfer arrivals.
 
 1. the router sends it to the prefill instance with the fewest pending prefill tokens, as a request with
    ``max_tokens=1``; a prefill instance has a connector that takes every finished request's KV, so when the
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -59,8 +58,9 @@ from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.costs import CostModel
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
+from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
 from sarathi_lite.scheduler.kv_transfer import KVSave
-from sarathi_lite.scheduler.routing import Layout, pick_decode, route_arrival
+from sarathi_lite.scheduler.routing import Layout, Load, load_of
 from sarathi_lite.sim.simulator import PROMPT_VOCAB, scheduler_config
 
 ROLES = ("colocated", "prefill", "decode")
@@ -186,19 +186,13 @@ class Deployment:
         (default ``chunk_size``); decode instances and replicas use ``chunk_size``. kwargs: ``Deployment`` fields
         (``link``, ``num_links``, ...) and ``options`` for every pool's scheduler config."""
         options = kwargs.pop("options", {})
-        text = spec.strip().upper()
-        m = re.fullmatch(r"(\d+)C?", text)
-        if m:
-            if threshold is not None:
-                raise ValueError(f"threshold={threshold!r} applies to xPyD deployments, not {spec!r}")
-            return cls(colocated=PoolSpec("colocated", int(m.group(1)), cost_model, policy, chunk_size,
+        layout = Layout.parse(spec, threshold)
+        if layout.colocated:
+            return cls(colocated=PoolSpec("colocated", layout.colocated, cost_model, policy, chunk_size,
                                           dict(options)), **kwargs)
-        m = re.fullmatch(r"(\d+)P(\d+)D", text)
-        if not m:
-            raise ValueError(f"instances={spec!r}: expected N (colocated replicas) or xPyD, e.g. '2P1D'")
-        return cls(prefill=PoolSpec("prefill", int(m.group(1)), prefill_cost_model or cost_model, policy,
+        return cls(prefill=PoolSpec("prefill", layout.prefill, prefill_cost_model or cost_model, policy,
                                     prefill_chunk_size or chunk_size, dict(options)),
-                   decode=PoolSpec("decode", int(m.group(2)), decode_cost_model or cost_model, policy, chunk_size,
+                   decode=PoolSpec("decode", layout.decode, decode_cost_model or cost_model, policy, chunk_size,
                                    dict(options)), threshold=threshold, **kwargs)
 
     @property
@@ -211,11 +205,15 @@ class Deployment:
         return sum(p.count * p.gpus_per_instance for p in self.pools)
 
     @property
+    def layout(self) -> Layout:
+        """How many instances of each role, and the conditional threshold."""
+        counts = (p.count if p is not None else 0 for p in (self.colocated, self.prefill, self.decode))
+        return Layout(*counts, threshold=self.threshold)
+
+    @property
     def label(self) -> str:
-        if self.colocated is not None:
-            return f"{self.colocated.count}C"
-        base = f"{self.prefill.count}P{self.decode.count}D"
-        return base if self.threshold is None else f"{base}/cond{self.threshold}"
+        """``Layout.label``: ``"4C"``, ``"2P1D"``, ``"2P1D/cond64"``."""
+        return self.layout.label
 
     def bytes_per_token(self) -> float | None:
         if self.kv_bytes_per_token is not None:
@@ -253,11 +251,12 @@ class Transfer:
         return self.end - self.sent_at
 
 
-class Instance:
-    """One simulated engine: a ``role``, a scheduler and a cost model; ``busy`` while a step runs."""
+class SimInstance:
+    """One simulated engine (a ``coordinator.Instance``): a ``role``, a scheduler and a cost model; ``busy`` while
+    a step runs."""
 
     __slots__ = ("index", "role", "cost_model", "scheduler", "config", "busy", "pending_start", "out", "start",
-                 "timing", "iterations", "label")
+                 "timing", "iterations", "name", "requests")
 
     def __init__(self, index: int, role: str, pool: PoolSpec) -> None:
         self.index, self.role, self.cost_model = index, role, pool.cost_model
@@ -270,7 +269,19 @@ class Instance:
         self.start = 0.0
         self.timing: Any = None
         self.iterations: list[IterationRecord] = []
-        self.label = f"{role}{index}"
+        self.name = f"{role}{index}"
+        self.requests: set[str] = set()
+
+    def load(self) -> Load:
+        return load_of(self.scheduler)
+
+    def add(self, record: RequestRecord, prefill_only: bool, num_external_tokens: int, hold: Hold | None) -> None:
+        spec, prompt = record.payload
+        self.scheduler.add(Request(record.request_id, prompt, 1 if prefill_only else spec.output_len, frozenset(),
+                                   spec.arrival_time), num_external_tokens)
+
+    def release(self, request_id: str, token: Any) -> None:
+        self.scheduler.finish_kv_send(request_id)
 
 
 @dataclass(slots=True)
@@ -330,25 +341,23 @@ class _Sim:
         self.workload = workload
         self.observer = observer
         self.record_batches = record_batches
-        self.instances: dict[str, list[Instance]] = {role: [] for role in ROLES}
+        self.instances: dict[str, list[SimInstance]] = {role: [] for role in ROLES}
         for pool in deployment.pools:
-            self.instances[pool.role] = [Instance(i, pool.role, pool) for i in range(pool.count)]
+            self.instances[pool.role] = [SimInstance(i, pool.role, pool) for i in range(pool.count)]
         self.all = [inst for role in ROLES for inst in self.instances[role]]
-        self.schedulers = tuple([inst.scheduler for inst in self.instances[role]] for role in ROLES)
-        self.layout = Layout(*(len(self.instances[role]) for role in ROLES), threshold=deployment.threshold)
+        self.coordinator = Coordinator(deployment.layout, self.instances)
         caching = any(inst.config.enable_prefix_caching for inst in self.all)
         self.prompts = workload.prompt_token_ids(PROMPT_VOCAB) if caching else None
         self.specs = {s.request_id: s for s in workload.requests}
         self.prompt_of = {s.request_id: (self.prompts[i] if self.prompts else None)
                           for i, s in enumerate(workload.requests)}
         self.metrics: dict[str, RequestMetrics] = {}
-        self.routes: dict[str, list[str]] = {}
+        self.routes = self.coordinator.routes
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.lanes = [0.0] * deployment.num_links
         self.bytes_per_token = deployment.bytes_per_token() or 0.0
-        self.sending: dict[str, tuple[Instance, KVSave, float]] = {}  # request id -> prefill instance, save, time
-        self.targets: dict[str, Instance] = {}  # request id -> decode instance it was handed to
+        self.sending: dict[str, Hold] = self.coordinator.held  # request id -> (prefill instance, KVSave, time)
         self.transfers: list[Transfer] = []
         self.in_transfer: dict[str, Transfer] = {}
         self.now = 0.0
@@ -375,12 +384,12 @@ class _Sim:
             handlers[kind](t, payload)
             if observer is not None:
                 observer(t, self)
-        stuck = [inst.label for inst in self.all if inst.scheduler.requests]
+        stuck = [inst.name for inst in self.all if inst.scheduler.requests]
         if stuck:
             raise RuntimeError(f"the simulation ran out of events with requests unfinished on {', '.join(stuck)} "
                                f"(a pool too small for the traffic it is routed?)")
 
-    def wake(self, inst: Instance, t: float) -> None:
+    def wake(self, inst: SimInstance, t: float) -> None:
         """``inst`` may have work: start a step at ``start_time(t)`` unless one runs or is due."""
         if not inst.busy and not inst.pending_start and inst.scheduler.requests:
             inst.pending_start = True
@@ -392,40 +401,23 @@ class _Sim:
         rid = spec.request_id
         prompt = self.prompt_of[rid] or [0] * spec.prompt_len
         self.metrics[rid] = RequestMetrics(rid, spec.arrival_time, spec.prompt_len)
-        role, index = route_arrival(spec.prompt_len, self.layout, *self.schedulers)
-        inst = self.instances[role][index]
-        max_tokens = 1 if role == "prefill" else spec.output_len
-        inst.scheduler.add(Request(rid, prompt, max_tokens, frozenset(), spec.arrival_time))
-        self.routes[rid] = [inst.label]
+        inst = self.coordinator.arrive(rid, spec.prompt_len, spec.arrival_time, (spec, prompt))
         self.wake(inst, t)
 
-    def pick_decode(self) -> Instance:
-        return self.instances["decode"][pick_decode(self.schedulers[2])]
-
-    def hand_over(self, t: float, source: Instance, save: KVSave) -> None:
-        """A prefill finished and its blocks are held: give the request to a decode instance."""
-        rid = save.request_id
-        spec = self.specs[rid]
-        target = self.pick_decode()
-        prompt = self.prompt_of[rid] or [0] * spec.prompt_len
-        target.scheduler.add(Request(rid, prompt, spec.output_len, frozenset(), spec.arrival_time),
-                             num_external_tokens=spec.prompt_len - 1)
-        self.routes[rid].append(target.label)
-        self.sending[rid] = (source, save, t)
-        self.targets[rid] = target
-        if spec.prompt_len == 1:  # nothing to move: the decode side computes the one token
-            self.release(t, rid)
+    def hand_over(self, t: float, save: KVSave) -> None:
+        """A prefill finished and its blocks are held: the coordinator gives the request to a decode instance."""
+        target = self.coordinator.hand_over(save.request_id, save, t)
+        if self.specs[save.request_id].prompt_len == 1:  # nothing to move: the decode side computes the one token
+            self.release(t, save.request_id)
         self.wake(target, t)
 
     def release(self, t: float, rid: str) -> None:
-        source, _, _ = self.sending.pop(rid)
-        self.targets.pop(rid, None)
-        source.scheduler.finish_kv_send(rid)
-        self.wake(source, t)
+        hold = self.coordinator.release(rid)
+        self.wake(hold.source, t)
 
     # ------------------------------------------------------------------ steps
 
-    def step_start(self, t: float, inst: Instance) -> None:
+    def step_start(self, t: float, inst: SimInstance) -> None:
         inst.pending_start = False
         sched = inst.scheduler
         if not sched.requests:
@@ -446,7 +438,7 @@ class _Sim:
         inst.timing = inst.cost_model.predict(out)
         self.push(t + inst.timing.step_time, self.STEP_END, inst)
 
-    def step_end(self, t: float, inst: Instance) -> None:
+    def step_end(self, t: float, inst: SimInstance) -> None:
         out, sched = inst.out, inst.scheduler
         assert out is not None
         inst.busy, inst.out = False, None
@@ -455,18 +447,19 @@ class _Sim:
         self.record(inst, out, inst.start, inst.start + inst.timing.schedule_time, t)
         if inst.role == "prefill":
             for save in sched.take_kv_saves():
-                self.hand_over(t, inst, save)
+                self.hand_over(t, save)
         else:
             for req in finished:
                 m = self.metrics[req.request_id]
                 m.finished_time, m.finish_reason = t, req.finish_reason
+                self.coordinator.finish(req.request_id)
         self.wake(inst, t)
 
     def count_preemptions(self, out: SchedulerOutput) -> None:
         for pid in out.preempted_ids:
             self.metrics[pid].num_preemptions += 1
 
-    def record(self, inst: Instance, out: SchedulerOutput, start: float, schedule_end: float, end: float) -> None:
+    def record(self, inst: SimInstance, out: SchedulerOutput, start: float, schedule_end: float, end: float) -> None:
         metrics = self.metrics
         samples = inst.role != "prefill"
         self.count_preemptions(out)
@@ -486,7 +479,7 @@ class _Sim:
 
     # ------------------------------------------------------------------ transfers
 
-    def start_transfer(self, t: float, target: Instance, rid: str, num_tokens: int) -> None:
+    def start_transfer(self, t: float, target: SimInstance, rid: str, num_tokens: int) -> None:
         """The decode side admitted ``rid`` and waits for ``num_tokens`` tokens of KV: queue them on the link."""
         source, _, sent_at = self.sending[rid]
         lane = min(range(len(self.lanes)), key=lambda i: (self.lanes[i], i))
@@ -501,7 +494,7 @@ class _Sim:
 
     def transfer_end(self, t: float, tr: Transfer) -> None:
         del self.in_transfer[tr.request_id]
-        target = self.targets[tr.request_id]
+        target = self.coordinator.where(tr.request_id)
         target.scheduler.finish_kv_load(tr.request_id, True)
         self.release(t, tr.request_id)
         self.wake(target, t)
@@ -522,7 +515,7 @@ def simulate(deployment: Deployment, workload: Workload, *, record_batches: bool
             "bandwidth": deployment.link.bandwidth, "cost_models": {p.role: p.cost_model.describe()
                                                                     for p in deployment.pools}}
     return DisaggResult(deployment.label, deployment.num_gpus, workload, by_order,
-                        {inst.label: inst.iterations for inst in sim.all}, sim.transfers,
+                        {inst.name: inst.iterations for inst in sim.all}, sim.transfers,
                         {rid: tuple(r) for rid, r in sim.routes.items()}, meta)
 
 

@@ -1,6 +1,7 @@
-"""Routing requests over instances: colocated replicas, xPyD disaggregated, or conditional. Torch-free, so the
-real router (``sarathi_lite.engine.disagg``) and the simulator (``sarathi_lite.sim.disagg``) share these rules
-and make the same decisions on the same scheduler states.
+"""Routing requests over instances: colocated replicas, xPyD disaggregated, or conditional. Torch-free: the
+coordinator (``coordinator.py``), which the real engines (``sarathi_lite.engine.disagg``, ``.instances``) and the
+simulator (``sarathi_lite.sim.disagg``) all drive, routes by these rules, so they make the same decisions on the
+same scheduler states.
 
 - colocated replicas: the replica with the fewest pending prefill tokens, then the fewest KV blocks in use or
   wanted, then the lowest index;
@@ -81,26 +82,14 @@ def load_of(scheduler: Scheduler) -> tuple[int, int]:
     return pending_prefill_tokens(scheduler), kv_demand(scheduler)
 
 
-def route_arrival(prompt_len: int, layout: Layout, colocated: Sequence[Scheduler], prefill: Sequence[Scheduler],
-                  decode: Sequence[Scheduler]) -> tuple[str, int]:
-    """Where a new request with ``prompt_len`` prompt tokens goes: ``(role, index)``."""
-    return route_by_load(prompt_len, layout, [load_of(s) for s in colocated], [load_of(s) for s in prefill],
-                         [load_of(s) for s in decode])
-
-
-def pick_decode(decode: Sequence[Scheduler]) -> int:
-    """The decode instance a prefilled request goes to."""
-    return pick_decode_by_load([load_of(s) for s in decode])
-
-
 Load = tuple[int, int] | None
 
 
 def route_by_load(prompt_len: int, layout: Layout, colocated: Sequence[Load], prefill: Sequence[Load],
                   decode: Sequence[Load]) -> tuple[str, int]:
-    """``route_arrival`` on instances' ``load_of`` (for instances in other processes); ``None`` marks an instance
-    that is gone. With every prefill instance gone, prompts go to decode instances, which prefill them. Raises
-    ``RuntimeError`` when no instance can take the request."""
+    """Where a new request with ``prompt_len`` prompt tokens goes, ``(role, index)``, by the instances' ``load_of``
+    (``None`` marks an instance that is gone). With every prefill instance gone, prompts go to decode instances,
+    which prefill them. Raises ``RuntimeError`` when no instance can take the request."""
     if layout.colocated:
         return COLOCATED, _least(colocated, "colocated replica")
     if (layout.threshold is not None and prompt_len <= layout.threshold) or all(x is None for x in prefill):
@@ -109,7 +98,7 @@ def route_by_load(prompt_len: int, layout: Layout, colocated: Sequence[Load], pr
 
 
 def pick_decode_by_load(decode: Sequence[Load]) -> int:
-    """``pick_decode`` on instances' ``load_of`` (``None``: gone)."""
+    """The decode instance a prefilled request goes to, by the instances' ``load_of`` (``None``: gone)."""
     return _least([None if x is None else (x[1],) for x in decode], "decode instance")
 
 
