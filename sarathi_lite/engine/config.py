@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.costs.memory import device_kv_budget as device_kv_budget  # re-exported: it moved to costs
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
