@@ -48,10 +48,9 @@ from typing import Any
 
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.plan.search import PROBE_SECONDS, probe_workload
-from sarathi_lite.sim.cost_model import CostModel
 from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS, Deployment, Link, RateSweep, simulate
-from sarathi_lite.sim.simulator import load_cost_model
 
 TTFT_SLOS = (0.25, 0.5, 1.0, 2.0, 5.0)
 TBT_SLOS = (0.015, 0.025, 0.05, 0.1)

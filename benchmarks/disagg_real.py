@@ -37,11 +37,11 @@ import numpy as np
 from sarathi_lite.bench.replay import play
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import load_cost_model
 from sarathi_lite.engine.instances import ProcessEngine
 from sarathi_lite.metrics import RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
-from sarathi_lite.sim import simulator as sim
 from sarathi_lite.sim.disagg import Deployment, Link, simulate
 
 PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim_profile_smollm2.json"
@@ -152,7 +152,7 @@ def main() -> None:
                 for lay in LAYOUTS}
     bandwidth = args.link_bandwidth or (moved_bytes / moved_seconds if moved_seconds > 0 else 1e9)
     link = Link("cpu-loopback (gloo)", bandwidth, 0.0)
-    cm = sim.load_cost_model(args.profile)
+    cm = load_cost_model(args.profile)
     sim_options = dict(num_kv_blocks=cfg.num_blocks, max_model_len=cfg.max_model_len, block_size=cfg.block_size)
     predicted = {}
     for lay in LAYOUTS:

@@ -57,6 +57,7 @@ import numpy as np
 from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import BenchResult, host, save_results
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
 
 SHORT_MAX = 600  # prompts up to this many tokens are the "short" requests of the simulated workload
@@ -173,7 +174,7 @@ def table(rows: list[tuple[str, dict[str, float], dict[str, float]]]) -> str:
 
 
 def simulated(args: argparse.Namespace) -> dict[str, Any]:
-    cost_model = sim.load_cost_model("roofline:h100:llama3.1-8b")
+    cost_model = load_cost_model("roofline:h100:llama3.1-8b")
     base = Workload.synthetic("uniform:100-600:50-250", num_requests=args.num_requests, qps=1.0, seed=args.seed)
     base = base.with_long_prompts(args.num_long, args.long_prompt)
     out: dict[str, Any] = {}
@@ -208,7 +209,7 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
                                   seed=args.seed).with_long_prompts(args.real_long, args.real_long_prompt)
     configs = [("sarathi", args.real_chunk_size)]
     measured, predicted = {}, {}
-    cost_model = sim.load_cost_model(args.profile)
+    cost_model = load_cost_model(args.profile)
     for label in ("paper", "protected"):
         loadavg = os.getloadavg()
         measured[label] = replay.run(workload, configs=configs, progress=False, **CONFIGS[label])[0]
@@ -232,7 +233,7 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
 def ordinary_cell(setup: Setup, trace: str, chunk: int, probes: int) -> dict[str, Any]:
     """One (deployment, trace, chunk size) cell of the ordinary-traffic study: both capacities, then both runs
     at ``plain``'s capacity."""
-    cost = sim.load_cost_model(setup.cost_model)
+    cost = load_cost_model(setup.cost_model)
     wl = setup.workload(trace)
     slo = SLO(setup.tbt_slo)
     lo, hi = setup.qps_range
@@ -313,7 +314,7 @@ def real_ordinary(args: argparse.Namespace) -> dict[str, Any]:
                   f"{s['ttft_p99']:.2f} s, {s['throughput_tokens_per_s']:.1f} tok/s, P99 TBT {s['tbt_p99']:.3f} s",
                   flush=True)
     save_results(results, args.results / "real_ordinary")
-    cost_model = sim.load_cost_model(args.profile)
+    cost_model = load_cost_model(args.profile)
     predicted = {}
     for label, options in ORDINARY.items():
         config = sim.scheduler_config(cost_model, "sarathi", args.ordinary_chunk, enable_prefix_caching=False,

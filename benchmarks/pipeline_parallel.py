@@ -44,10 +44,10 @@ from typing import Any
 from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.results import BenchResult, host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.scheduler import SchedulerOutput
 from sarathi_lite.scheduler.output import ScheduledRequest
 from sarathi_lite.sim import simulator as sim
-from sarathi_lite.sim.cost_model import CostModel
 
 MODELS = {  # model shape -> (hardware preset, capacity search scale in requests/s)
     "falcon-180b": ("a100-80gb-100gbe", 1.0),
@@ -139,7 +139,7 @@ def main() -> None:
                                      max_output=1024, seed=args.seed)
             for tp, pp in shapes:
                 spec = f"roofline:{tp}x{pp}x{hw}:{model}"
-                cost = sim.load_cost_model(spec)
+                cost = load_cost_model(spec)
                 shape_slos = slos(cost)
                 cell: dict[str, Any] = {"model": model, "trace": trace, "tp": tp, "pp": pp, "cost_model": spec,
                                         "slos": {k: v.tbt_p99 for k, v in shape_slos.items()}, "policies": {}}

@@ -28,6 +28,7 @@ import torch
 from sarathi_lite import LLMEngine, SamplingParams
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.costs import load_cost_model
 from sarathi_lite.costs.pipeline import PipelineCostModel, head_layer_units
 from sarathi_lite.sim import simulator as sim
 
@@ -109,7 +110,7 @@ def main() -> None:
     model = engines["pp1"].model_config
     predictions = {}
     for name, head in (("layers_only", 0.0), ("with_lm_head", head_layer_units(model))):
-        cost = PipelineCostModel(sim.load_cost_model(str(PROFILE)), 2, num_layers=model.num_layers,
+        cost = PipelineCostModel(load_cost_model(str(PROFILE)), 2, num_layers=model.num_layers,
                                  head_layers=head)
         config = sim.scheduler_config(cost, "sarathi", args.chunk_size, num_kv_blocks=1024)
         summary = sim.simulate(workload, cost, config).summary()

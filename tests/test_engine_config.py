@@ -21,7 +21,7 @@ from sarathi_lite.engine.config import (
     ParallelConfig,
     default_option,
 )
-from sarathi_lite.scheduler import SchedulerConfig
+from sarathi_lite.scheduler import SchedulerConfig, make_scheduler
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -161,3 +161,14 @@ def test_llm_engine_takes_the_flat_keywords_and_names_an_unknown_one(tiny_checkp
     assert engine.config.kv_transfer == KVTransferConfig(store="mine") and engine.config.parallel == ParallelConfig()
     assert engine.scheduler_config.num_blocks == 64
     assert engine.scheduler_config.max_num_batched_tokens == max(engine.scheduler_config.max_model_len, 2048)
+
+
+def test_the_configs_are_dataclasses_and_the_flat_names_come_from_options():
+    """No option is attached to ``EngineConfig`` (the flat names are read through ``OPTIONS``), and the scheduler
+    options an engine holds leave what the engine sets unknown (``None``), not at a stand-in value."""
+    assert not [name for name, o in OPTIONS.items() if o.section is not None and hasattr(EngineConfig, name)]
+    options = EngineConfig(policy="vllm", max_num_batched_tokens=1024).scheduler
+    assert (options.max_model_len, options.num_blocks, options.max_num_batched_tokens) == (None, None, 1024)
+    with pytest.raises(ValueError, match="max_model_len=None"):
+        make_scheduler(options)
+    assert make_scheduler(EngineConfig(policy="vllm").scheduler_config(8, 1024)).config.max_num_batched_tokens == 2048

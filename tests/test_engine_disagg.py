@@ -10,10 +10,10 @@ import pytest
 
 from sarathi_lite import LLM, SamplingParams
 from sarathi_lite.bench.workload import RequestSpec, Workload
+from sarathi_lite.costs import CostModel, StepTiming
 from sarathi_lite.engine.disagg import DisaggregatedEngine
 from sarathi_lite.scheduler import SchedulerOutput
 from sarathi_lite.scheduler.routing import Layout
-from sarathi_lite.sim.cost_model import CostModel, StepTiming
 from sarathi_lite.sim.disagg import Deployment, Link, PoolSpec, simulate
 
 OPTIONS = dict(chunk_size=16, block_size=4, num_kv_blocks=128, device="cpu", attention_backend="torch")

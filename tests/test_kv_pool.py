@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from sarathi_lite.costs.memory import device_kv_budget
 from sarathi_lite.costs.profiled import ProfiledCostModel
 from sarathi_lite.costs.roofline import MODEL_SHAPES, hardware, roofline
-from sarathi_lite.engine.config import EngineConfig, KVPool, device_kv_budget, kv_pool
+from sarathi_lite.engine.config import EngineConfig, KVPool, kv_pool
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.sim.simulator import scheduler_config

@@ -63,7 +63,7 @@ TORCH_FREE = ("sarathi_lite", "sarathi_lite.scheduler", "sarathi_lite.metrics", 
               "sarathi_lite.costs", "sarathi_lite.costs.base", "sarathi_lite.costs.memory",
               "sarathi_lite.costs.profiled", "sarathi_lite.costs.roofline", "sarathi_lite.costs.spec",
               "sarathi_lite.costs.calibrated", "sarathi_lite.costs.pipeline", "sarathi_lite.sim.gpu_fit",
-              "sarathi_lite.sim.simulator", "sarathi_lite.sim.cost_model", "sarathi_lite.sim.roofline",
+              "sarathi_lite.sim.simulator", "sarathi_lite.sim.cost_model",
               "sarathi_lite.cli", "sarathi_lite.plan")
 
 

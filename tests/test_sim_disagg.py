@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sarathi_lite.bench.workload import RequestSpec, Workload
+from sarathi_lite.costs import CostModel, StepTiming, load_cost_model
 from sarathi_lite.scheduler import SchedulerOutput
-from sarathi_lite.sim.cost_model import CostModel, StepTiming
 from sarathi_lite.sim.disagg import LINKS, Deployment, Link, PoolSpec, goodput_from, simulate
-from sarathi_lite.sim.simulator import load_cost_model, scheduler_config
+from sarathi_lite.sim.simulator import scheduler_config
 from sarathi_lite.sim.simulator import simulate as simulate_one
 
 STEP = 0.01  # seconds per step of the constant cost model

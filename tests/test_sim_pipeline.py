@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 
 from sarathi_lite.bench.workload import RequestSpec, Workload
+from sarathi_lite.costs import CostModel, ProfiledCostModel, StepTiming
 from sarathi_lite.costs.pipeline import PipelineCostModel, head_layer_units
+from sarathi_lite.costs.roofline import roofline
 from sarathi_lite.metrics import IterationRecord, bubble_accounting
 from sarathi_lite.models.stages import stage_layers
 from sarathi_lite.scheduler import SchedulerConfig, SchedulerOutput
-from sarathi_lite.sim.cost_model import CostModel, ProfiledCostModel, StepTiming
-from sarathi_lite.sim.roofline import roofline
 from sarathi_lite.sim.simulator import scheduler_config, simulate
 
 ONE_SECOND = ProfiledCostModel((1, 2), (1.0, 1.0))  # every step takes 1 s on the whole model

@@ -9,8 +9,9 @@ import pytest
 from sarathi_lite.bench.capacity import SLO
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli import main
+from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import sweep
-from sarathi_lite.sim.simulator import load_cost_model, scheduler_config, simulate
+from sarathi_lite.sim.simulator import scheduler_config, simulate
 
 WORKLOADS = {"conv": Workload.from_trace("conversation", num_requests=24, qps=4.0, prompt_scale=1, output_scale=1,
                                          max_prompt=4096, max_output=64),

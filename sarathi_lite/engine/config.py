@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.costs.memory import device_kv_budget as device_kv_budget  # re-exported: it moved to costs
 from sarathi_lite.scheduler import POLICIES, SchedulerConfig
+from sarathi_lite.scheduler.config import default_max_num_batched_tokens
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
@@ -107,30 +107,28 @@ _CLI_METADATA: dict[str, dict[str, Any]] = {"policy": {"flag": "scheduler", "cho
                                             "chunk_size": {"type": parse_chunk_size}}
 
 
-@dataclass(slots=True, init=False)
-class EngineConfig:
-    """What an ``LLMEngine`` runs and how: every engine option, validated, with its one default. Sizes in tokens
-    unless named otherwise; each field's ``metadata["help"]`` says what it means (the CLI's ``--help`` shows it).
+def _scheduler_options(given: SchedulerConfig | None = None, **changes: Any) -> SchedulerConfig:
+    """An engine's scheduler options: ``given``'s (or the defaults) with ``changes``, and the fields the engine
+    sets (``ENGINE_SET``) not known yet (``None``), so the options are checked now and the rest once the engine
+    knows its model and KV pool (``EngineConfig.scheduler_config``). A ``max_num_batched_tokens`` that ``given``
+    derived from its own ``max_model_len`` is no choice: it is derived again from the engine's."""
+    values: dict[str, Any] = {}
+    if given is not None:
+        values = {name: getattr(given, name) for name in SCHEDULER_FIELDS}
+        if given.max_model_len is not None and given.max_num_batched_tokens == default_max_num_batched_tokens(
+                given.max_model_len):
+            values["max_num_batched_tokens"] = None
+    return SchedulerConfig(**{**values, **changes}, **dict.fromkeys(ENGINE_SET["scheduler"]))
 
-    scheduler: the scheduling options (a ``SchedulerConfig``). Its ``max_model_len`` and ``num_blocks`` are
-        placeholders (1 and ``None``), and its ``max_num_batched_tokens`` is ``None`` unless given: the engine
-        sets them once it knows the model and the KV pool (``scheduler_config``).
-    parallel: a ``ParallelConfig``; kv_transfer: a ``KVTransferConfig``.
 
-    ``EngineConfig(model, **options)`` takes each nested field by its option name (``policy=``, ``chunk_size=``,
-    ``tensor_parallel_size=``, ``kv_role=``; see ``OPTIONS``), or a nested config whole (``scheduler=
-    SchedulerConfig(...)``; then options given by name override its fields); ``scheduler="vllm"`` names the
-    policy, as ``LLM``/``LLMEngine`` and the CLI (``--scheduler``) take it. Unknown options raise ``TypeError``
-    naming them; bad values ``ValueError`` naming them. ``config.chunk_size`` reads ``config.scheduler.chunk_size``.
+@dataclass(slots=True, kw_only=True)
+class _EngineConfigFields:
+    """``EngineConfig``'s fields, with their one default each, checked in ``__post_init__``; ``EngineConfig``
+    adds the options' flat names (keywords and attributes)."""
 
-    Field metadata read by ``sarathi_lite.cli.common``: ``help``; ``choices``; ``flag`` (the option's name when
-    it is not the field's); ``type`` (a parser from the command-line text, when the annotation's type is not one);
-    ``sim`` (the simulator reads it too).
-    """
-
-    model: str | None = field(default=None, metadata={
+    model: str | None = field(default=None, kw_only=False, metadata={
         "help": "a built-in name (default: the embedded smollm2-135m) or a local Hugging Face checkpoint folder"})
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(default_factory=_scheduler_options)
     cost_model: Any = field(default=None, metadata={
         "type": str, "sim": True,
         "help": "with chunk_size auto: the step-time model, a profile JSON (sarathi-lite profile) or "
@@ -162,42 +160,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
-    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
-        options = _policy_keyword(options)
-        nested = {name: options.pop(name, None) for name in SECTIONS}
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
-        self.model = model
-        for f in dataclasses.fields(self):
-            if f.name != "model" and f.name not in SECTIONS:
-                setattr(self, f.name, options.get(f.name, f.default))
-        for name, (cls, _) in SECTIONS.items():
-            given = nested[name]
-            if given is not None and not isinstance(given, cls):
-                raise TypeError(f"{name}= takes a {cls.__name__}, not {type(given).__name__}")
-            changes = {o.field.name: options[o.name] for o in OPTIONS.values() if o.section == name
-                       and o.name in options}
-            setattr(self, name, self._scheduler(given, changes) if name == "scheduler" else
-                    dataclasses.replace(given or cls(), **changes))
-        self.__post_init__()
-
-    def _scheduler(self, given: SchedulerConfig | None, changes: dict[str, Any]) -> SchedulerConfig:
-        """The ``scheduler`` field: ``given`` (or the defaults) with ``changes``, validated the way the engine will
-        use it, with the fields the engine sets at their placeholders."""
-        values = {} if given is None else {o.field.name: getattr(given, o.field.name) for o in OPTIONS.values()
-                                           if o.section == "scheduler"}
-        if given is not None and given.max_num_batched_tokens == dataclasses.replace(
-                given, max_num_batched_tokens=None, num_blocks=None).max_num_batched_tokens:
-            values["max_num_batched_tokens"] = None  # the default of given's own max_model_len: not a choice
-        values.update(changes)
-        # The scheduler's own checks, on a stand-in length: the real max_model_len is known once the model is.
-        config = SchedulerConfig(**values, max_model_len=1)
-        config.num_blocks = None
-        config.max_num_batched_tokens = values.get("max_num_batched_tokens")
-        return config
-
     def __post_init__(self) -> None:
+        """Every check of the engine's own options (the nested configs check theirs), after taking the other
+        spellings of a value: a ``Path`` for ``model``/``cost_model``, a ``torch.dtype``/``torch.device``."""
         if isinstance(self.model, Path):
             self.model = str(self.model)
         if self.dtype is None:
@@ -206,6 +171,8 @@ class EngineConfig:
             self.dtype = str(self.dtype).removeprefix("torch.")
         if self.device is not None and not isinstance(self.device, str):  # a torch.device
             self.device = str(self.device)
+        if isinstance(self.cost_model, Path):
+            self.cost_model = str(self.cost_model)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -213,16 +180,50 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
-        if self.pipeline_parallel_size > 1 and self.async_scheduling:
-            raise ValueError(f"async_scheduling: not with pipeline_parallel_size={self.pipeline_parallel_size} (a "
+        pp = self.parallel.pipeline_parallel_size
+        if pp > 1 and self.scheduler.async_scheduling:
+            raise ValueError(f"async_scheduling: not with pipeline_parallel_size={pp} (a "
                              f"request's next decode needs the token its last micro-batch samples)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        if isinstance(self.cost_model, Path):
-            self.cost_model = str(self.cost_model)
-        if self.chunk_size == "auto" and self.cost_model is None:
+        if self.scheduler.chunk_size == "auto" and self.cost_model is None:
             raise ValueError("chunk_size='auto' needs cost_model= (a profile JSON, roofline:HW[:MODEL], or an "
                              "object with predict_step_time) to choose each iteration's budget")
+
+
+class EngineConfig(_EngineConfigFields):
+    """What an ``LLMEngine`` runs and how: every engine option, validated, with its one default. Sizes in tokens
+    unless named otherwise; each field's ``metadata["help"]`` says what it means (the CLI's ``--help`` shows it).
+
+    scheduler: the scheduling options (a ``SchedulerConfig``). Its ``max_model_len`` and ``num_blocks`` are
+        ``None`` (not known yet), and its ``max_num_batched_tokens`` is ``None`` unless given: the engine sets
+        them once it knows the model and the KV pool (``scheduler_config``).
+    parallel: a ``ParallelConfig``; kv_transfer: a ``KVTransferConfig``.
+
+    ``EngineConfig(model, **options)`` takes each nested field by its option name (``policy=``, ``chunk_size=``,
+    ``tensor_parallel_size=``, ``kv_role=``; see ``OPTIONS``), or a nested config whole (``scheduler=
+    SchedulerConfig(...)``; then options given by name override its fields); ``scheduler="vllm"`` names the
+    policy, as ``LLM``/``LLMEngine`` and the CLI (``--scheduler``) take it. Unknown options raise ``TypeError``
+    naming them; bad values ``ValueError`` naming them. ``config.chunk_size`` reads ``config.scheduler.chunk_size``
+    (every option by its name: ``__getattr__``).
+
+    Field metadata read by ``sarathi_lite.cli.common``: ``help``; ``choices``; ``flag`` (the option's name when
+    it is not the field's); ``type`` (a parser from the command-line text, when the annotation's type is not one);
+    ``sim`` (the simulator reads it too).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        super().__init__(model, **_field_values(options))
+
+    def __getattr__(self, name: str) -> Any:
+        """A nested config's option by its flat name (``config.chunk_size`` is ``config.scheduler.chunk_size``);
+        called only for names that are no attribute of the class."""
+        option = OPTIONS.get(name)
+        if option is None or option.section is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(getattr(self, option.section), option.field.name)
 
     def kv_pool(self, *, kv_bytes_per_token: int | None, max_position_embeddings: int | None,
                 kv_cache_memory: int | None = None) -> KVPool:
@@ -236,7 +237,7 @@ class EngineConfig:
         pipeline parallelism one micro-batch in flight per stage."""
         return dataclasses.replace(self.scheduler, num_blocks=num_blocks, max_model_len=max_model_len,
                                    max_concurrent_batches=max(self.scheduler.max_concurrent_batches,
-                                                              self.pipeline_parallel_size))
+                                                              self.parallel.pipeline_parallel_size))
 
     @classmethod
     def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:
@@ -249,6 +250,30 @@ class EngineConfig:
         config whole (``parallel=ParallelConfig(...)``), or ``scheduler="vllm"`` for the policy."""
         current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return EngineConfig(**{**current, **_policy_keyword(changes)})
+
+
+def _field_values(options: dict[str, Any]) -> dict[str, Any]:
+    """``EngineConfig``'s fields (but ``model``) from options by name: each nested config (given whole, or its
+    defaults) with the options of its section applied. Raises ``TypeError`` naming an unknown option, a policy
+    named twice or a nested config of the wrong class."""
+    options = _policy_keyword(options)
+    unknown = sorted(set(options) - set(OPTIONS) - set(SECTIONS))
+    if unknown:
+        raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+    values = {name: value for name, value in options.items() if name in OPTIONS and OPTIONS[name].section is None}
+    for name, (cls, _) in SECTIONS.items():
+        given = options.get(name)
+        if given is not None:
+            _check_section(name, given, cls)
+        changes = {o.field.name: options[o.name] for o in OPTIONS.values() if o.section == name and o.name in options}
+        values[name] = (_scheduler_options(given, **changes) if name == "scheduler"
+                        else dataclasses.replace(given or cls(), **changes))
+    return values
+
+
+def _check_section(name: str, value: object, cls: type) -> None:
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}= takes a {cls.__name__}, not {type(value).__name__}")
 
 
 def _policy_keyword(options: dict[str, Any]) -> dict[str, Any]:
@@ -309,20 +334,9 @@ def _options() -> dict[str, Option]:
     return found
 
 
-def _delegate(section: str, name: str) -> property:
-    def get(self: EngineConfig) -> Any:
-        return getattr(getattr(self, section), name)
-
-    return property(get, doc=f"``{section}.{name}``")
-
-
 OPTIONS: dict[str, Option] = _options()
 """Every engine option by name: ``EngineConfig``'s own fields and, in their section's place, its nested
 configs' fields (but those the engine sets itself, ``ENGINE_SET``)."""
-
-for _option in OPTIONS.values():
-    if _option.section is not None:
-        setattr(EngineConfig, _option.name, _delegate(_option.section, _option.field.name))
 
 
 def _check_positive_int(name: str, value: object) -> None:

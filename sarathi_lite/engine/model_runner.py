@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, KVPool, device_kv_budget
+from sarathi_lite.costs.memory import device_kv_budget
+from sarathi_lite.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, KVPool
 from sarathi_lite.engine.sampler import History, Sampler
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import AttentionBackend, build_attention_metadata, get_attention_backend

@@ -2,7 +2,7 @@
 ``ProfiledCostModel`` to measured batch times (non-negative least squares). Torch-free (numpy only).
 
 The models themselves (``CostModel``, ``StepTiming``, ``ProfiledCostModel``, ``RooflineCostModel``) live in
-``sarathi_lite.costs``, below the engine; they are re-exported here for code written before the move.
+``sarathi_lite.costs``, below the engine.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import numpy as np
 
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.costs.base import CostModel, StepTiming
-from sarathi_lite.costs.profiled import COST_MODEL_SCHEMA, TERMS, ProfiledCostModel, batch_terms, token_basis
+from sarathi_lite.costs.profiled import TERMS, token_basis
 from sarathi_lite.metrics import IterationRecord
 from sarathi_lite.scheduler import SchedulerOutput
 
-__all__ = ["COST_MODEL_SCHEMA", "TERMS", "CostModel", "ProfiledCostModel", "ReplayCostModel", "StepTiming",
-           "batch_terms", "design_matrix", "fit_profile", "fit_quality", "nnls", "token_basis"]
+__all__ = ["ReplayCostModel", "design_matrix", "fit_profile", "fit_quality", "nnls"]
 
 
 class ReplayCostModel(CostModel):

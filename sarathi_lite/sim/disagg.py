@@ -36,7 +36,7 @@ it while idle) starts its next step at ``cost_model.start_time(t)``; arrivals at
 it. With one colocated replica the simulation is exactly ``simulator.simulate``'s.
 
 >>> from sarathi_lite.sim.disagg import Deployment, LINKS, simulate
->>> from sarathi_lite.sim.simulator import load_cost_model
+>>> from sarathi_lite.costs import load_cost_model
 >>> cm = load_cost_model("roofline:h100:llama3-8b")
 >>> result = simulate(Deployment.parse("1P1D", cm, link=LINKS["infiniband"]), workload)
 >>> result.summary()["ttft_p99"], result.slo_attainment(ttft=1.0, tbt=0.05)

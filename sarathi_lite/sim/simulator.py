@@ -53,10 +53,6 @@ from sarathi_lite.bench.results import BenchResult, config_label, configurations
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import CostModel
 from sarathi_lite.costs.pipeline import pipeline_parallel_size, stage_timing
-
-# re-exported: the loader moved to costs (below the engine); benchmarks and notebooks call sim.load_cost_model
-from sarathi_lite.costs.spec import ROOFLINE_PREFIX as ROOFLINE_PREFIX
-from sarathi_lite.costs.spec import load_cost_model as load_cost_model
 from sarathi_lite.engine.config import EngineConfig, default_option
 from sarathi_lite.metrics import MetricsRecorder
 from sarathi_lite.scheduler import (

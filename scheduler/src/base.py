@@ -50,6 +50,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None,
                  connector: KVConnectorScheduler | None = None) -> None:
+        if config.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len=None (not known yet): a scheduler needs the longest "
+                             "request, e.g. from EngineConfig.scheduler_config(num_blocks, max_model_len)")
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager = self.kv.pool

@@ -37,7 +37,9 @@ class SchedulerConfig:
         ``request_level``), which must fit any whole prompt in one step; ``None`` means
         ``max(max_model_len, 2048)``, as in vLLM.
     max_model_len: longest prompt accepted; generation stops once prompt + output reach it (a prompt of exactly
-        this length still samples one token, as in vLLM).
+        this length still samples one token, as in vLLM). ``None``: not known yet, as in ``EngineConfig.scheduler``
+        before the engine knows its model and KV pool (``EngineConfig.scheduler_config`` completes it); such a
+        config keeps ``max_num_batched_tokens`` and ``num_blocks`` as given, and no ``Scheduler`` takes it.
     block_size: tokens per KV block.
     num_blocks: blocks in the KV pool; ``None`` means enough for ``max_num_seqs`` requests of ``max_model_len``.
     watermark: fraction of the pool kept free when admitting a new request while others run, so running
@@ -109,7 +111,7 @@ class SchedulerConfig:
         "help": "most requests running (holding KV blocks) at once"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "token budget per iteration of the unchunked policies (default: max(max_model_len, 2048))"})
-    max_model_len: int = field(default=4096, metadata={
+    max_model_len: int | None = field(default=4096, metadata={
         "help": "longest request (tokens; an engine sets it from the model and its KV pool)"})
     block_size: int = field(default=16, metadata={
         "help": "tokens per KV block"})
@@ -163,7 +165,8 @@ class SchedulerConfig:
             _check_positive_int("chunk_size", self.chunk_size)
         for name in ("max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills",
                      "min_chunk_size", "max_concurrent_batches"):
-            _check_positive_int(name, getattr(self, name))
+            if name != "max_model_len" or self.max_model_len is not None:  # None: not known yet
+                _check_positive_int(name, getattr(self, name))
         for name in ("max_num_batched_tokens", "num_blocks", "max_num_partial_prefills",
                      "long_prefill_token_threshold", "long_prefill_chunk"):
             if getattr(self, name) is not None:
@@ -181,8 +184,10 @@ class SchedulerConfig:
         self._check_auto_budget()
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
+        if self.max_model_len is None:
+            return  # not known yet: what follows from it waits for it (EngineConfig.scheduler_config)
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+            self.max_num_batched_tokens = default_max_num_batched_tokens(self.max_model_len)
         if self.num_blocks is None:
             self.num_blocks = self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
         if not is_chunked(self.policy) and self.max_num_batched_tokens < self.max_model_len:
@@ -256,6 +261,11 @@ class SchedulerConfig:
         pct = self.tbt_percentile
         if pct is not None and (isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct < 100):
             raise ValueError(f"tbt_percentile={pct!r} must be in (0, 100), or None for a fixed target")
+
+
+def default_max_num_batched_tokens(max_model_len: int) -> int:
+    """``SchedulerConfig.max_num_batched_tokens`` when none is given: ``max(max_model_len, 2048)``, as in vLLM."""
+    return max(max_model_len, 2048)
 
 
 def _check_positive_int(name: str, value: object) -> None:
