@@ -1,0 +1,65 @@
+"""``benchmarks/vs_vllm.py`` (our engine against vLLM's CPU build) run small, ``--quick``: one round, float32, four
+offline requests and four online at one rate, against the real vLLM in the environment ``scripts/setup_vllm.sh``
+makes (found as ``tests/test_vllm_plugin.py`` finds it). A check of the script and of what it records, not of its
+timings; most of its time is vLLM's start-up, twice (the offline engine and ``vllm serve``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.test_layout import provenance_problems
+from tests.test_vllm_plugin import ROOT, VENV
+
+TIMEOUT = 1200  # seconds: two vLLM start-ups (80-110 s each on 2 cores) and four short runs
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_VENV"}
+    return subprocess.run([sys.executable, "benchmarks/vs_vllm.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def test_quick_run_measures_both_engines_and_compares_their_greedy_outputs(tmp_path):
+    assert (VENV / "bin" / "python").exists(), f"no vLLM environment at {VENV}: run scripts/setup_vllm.sh"
+    out = tmp_path / "vs_vllm.json"
+    result = _run("--quick", "--vllm-venv", str(VENV), "--out", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    report = json.loads(out.read_text())
+    assert provenance_problems("vs_vllm.json", report) == []  # command, commit, machine; no path of this machine
+    assert report["versions"]["vllm"] and report["rounds"] == 1
+
+    offline = {(r["system"], r["dtype"]): r for r in report["offline"]}
+    assert set(offline) == {("ours", "float32"), ("vllm", "float32")}
+    for row in offline.values():
+        assert row["output_tokens_per_s"] > 0 and 0 < row["startup_s"] < row["process_s"], row
+        assert len(row["load_before"]) == len(row["load_after"]) == 3
+    [greedy] = report["greedy"]  # float32, round 0: every request compared token for token
+    assert greedy["dtype"] == "float32" and greedy["requests"] == 4
+    assert greedy["identical"] == 4 - len(greedy["differ"])
+    assert all(0 <= d["first_diff"] <= 16 for d in greedy["differ"]), greedy
+
+    online = {(r["system"], r["qps"]): r for r in report["online"]}
+    assert set(online) == {("ours", 1.0), ("vllm", 1.0)}
+    for row in online.values():
+        assert row["num_requests"] == 4 and row["errors"] == 0, row
+        assert row["ttft_p50"] > 0 and 0 < row["tbt_p50"] <= row["tbt_p99"], row
+        assert row["throughput_output_tokens_per_s"] > 0, row
+    assert {s["system"] for s in report["online_startup"]} == {"ours", "vllm"}
+    assert all(0 < s["ready_s"] <= s["first_request_s"] for s in report["online_startup"])
+
+    summary = report["summary"]
+    assert summary["offline"]["float32"]["ours_over_vllm"] > 0
+    assert set(summary["online"]["float32"]["1.0"]) == {"ours", "vllm"}
+    table = out.with_suffix(".md").read_text()
+    assert "| float32 |" in table and f"{greedy['identical']}/4 requests identical token for token" in table
+
+
+def test_without_vllm_it_says_so_and_measures_nothing(tmp_path):
+    out = tmp_path / "vs_vllm.json"
+    result = _run("--vllm-venv", str(tmp_path / "no-venv"), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "vLLM is not installed" in result.stdout and "scripts/setup_vllm.sh" in result.stdout
+    assert not out.exists()
