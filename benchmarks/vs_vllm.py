@@ -364,7 +364,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-budget", type=int, default=None,
                    help="vLLM's --max-num-batched-tokens (default: vLLM's own)")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE unless already set")
+    p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GB) unless already set")
     p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", str(ROOT / ".venv-vllm")))
     p.add_argument("--max-load", type=float, default=1.0, help="before each run, wait for the 1-minute load "
                    "average to fall under this, at most --settle seconds")
