@@ -1,11 +1,13 @@
 """sarathi-lite's engine against vLLM's CPU build on this machine: the same token-id prompts, offline and online.
 
-The full measurement (about 70 minutes on 2 cores; run it with nothing else on the machine):
+The full measurement (an estimate, not yet timed: about 70 minutes on 2 cores; run it with nothing else on the
+machine; --threads defaults to every CPU):
 
     python benchmarks/vs_vllm.py --rounds 2 --dtypes float32 bfloat16 --rates 0.5 1.0 2.0 \\
         --out benchmarks/results/vs_vllm.json
 
     python benchmarks/vs_vllm.py --quick --out /tmp/vs_vllm.json    # one round, small, float32: a script check
+                                                                   # (about 2.5 CPU-minutes, most of it vLLM start-up)
 
 Every run is a fresh process, the two systems alternating (our engine first in even rounds, vLLM first in odd
 ones), at the same torch threads (``--threads``; OMP_NUM_THREADS for vLLM, whose CPU worker runs with

@@ -1,7 +1,8 @@
 """``benchmarks/vs_vllm.py`` (our engine against vLLM's CPU build) run small, ``--quick``: one round, float32, four
 offline requests and four online at one rate, against the real vLLM in the environment ``scripts/setup_vllm.sh``
 makes (found as ``tests/test_vllm_plugin.py`` finds it). A check of the script and of what it records, not of its
-timings; most of its time is vLLM's start-up, twice (the offline engine and ``vllm serve``)."""
+timings. It is not cheap: most of its time is vLLM's start-up, twice (the offline engine and ``vllm serve``); the script
+and its processes took about 2.5 CPU-minutes (148 and 156 s user + sys in two runs on the 2-core VM)."""
 
 from __future__ import annotations
 
