@@ -357,7 +357,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace", default="conversation", help="offline: a built-in trace or a CSV path")
     p.add_argument("--max-prompt", type=int, default=1024, help="offline: prompts clipped to this (tokens)")
     p.add_argument("--max-output", type=int, default=128, help="offline: outputs clipped to this (tokens)")
-    p.add_argument("--rates", type=float, nargs="*", default=[0.5, 1.0, 2.0], help="online rates (requests/s)")
+    p.add_argument("--rates", type=float, nargs="*", default=None,
+                   help="online rates (requests/s; default 0.5 1.0 2.0, with --quick 1.0); none: no online runs")
     p.add_argument("--online-requests", type=int, default=36, help="online: requests per rate")
     p.add_argument("--warm-up-requests", type=int, default=6, help="online: discarded requests after start-up")
     p.add_argument("--skip-offline", action="store_true")
@@ -379,7 +380,9 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.dtypes, args.num_requests, args.max_prompt, args.max_output = 1, ["float32"], 4, 256, 16
-        args.rates, args.online_requests, args.warm_up_requests, args.settle = [1.0], 4, 2, 0.0
+        args.online_requests, args.warm_up_requests, args.settle = 4, 2, 0.0
+    if args.rates is None:
+        args.rates = [1.0] if args.quick else [0.5, 1.0, 2.0]
     if args.rounds < 1 or args.threads < 1:
         p.error(f"--rounds {args.rounds} and --threads {args.threads} must be at least 1")
     return args

@@ -1,8 +1,10 @@
-"""``benchmarks/vs_vllm.py`` (our engine against vLLM's CPU build) run small, ``--quick``: one round, float32, four
-offline requests and four online at one rate, against the real vLLM in the environment ``scripts/setup_vllm.sh``
-makes (found as ``tests/test_vllm_plugin.py`` finds it). A check of the script and of what it records, not of its
-timings. It is not cheap: most of its time is vLLM's start-up, twice (the offline engine and ``vllm serve``); the script
-and its processes took about 2.5 CPU-minutes (148 and 156 s user + sys in two runs on the 2-core VM)."""
+"""``benchmarks/vs_vllm.py`` (our engine against vLLM's CPU build) run small: ``--quick --rates`` (one round,
+float32, four offline requests, no online rates), against the real vLLM in the environment ``scripts/setup_vllm.sh``
+makes (found as ``tests/test_vllm_plugin.py`` finds it). A check of the script, of what it records and of greedy
+equality with vLLM, not of its timings. Offline only, so vLLM starts once (its start-up, 80-110 s on 2 cores, is
+most of this test's time); the online half drives ``sarathi-lite serve`` and ``vllm serve`` through the same
+``Server`` and client that ``tests/test_vllm_plugin.py`` and ``benchmarks/vllm_plugin.py`` already run, and the full
+measurement runs it (the command is in the script's docstring)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 from tests.test_layout import provenance_problems
 from tests.test_vllm_plugin import ROOT, VENV
 
-TIMEOUT = 1200  # seconds: two vLLM start-ups (80-110 s each on 2 cores) and four short runs
+TIMEOUT = 900  # seconds: one vLLM start-up (80-110 s on 2 cores) and two short offline runs
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -26,7 +28,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_quick_run_measures_both_engines_and_compares_their_greedy_outputs(tmp_path):
     assert (VENV / "bin" / "python").exists(), f"no vLLM environment at {VENV}: run scripts/setup_vllm.sh"
     out = tmp_path / "vs_vllm.json"
-    result = _run("--quick", "--vllm-venv", str(VENV), "--out", str(out))
+    result = _run("--quick", "--rates", "--vllm-venv", str(VENV), "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     report = json.loads(out.read_text())
     assert provenance_problems("vs_vllm.json", report) == []  # command, commit, machine; no path of this machine
@@ -39,23 +41,13 @@ def test_quick_run_measures_both_engines_and_compares_their_greedy_outputs(tmp_p
         assert len(row["load_before"]) == len(row["load_after"]) == 3
     [greedy] = report["greedy"]  # float32, round 0: every request compared token for token
     assert greedy["dtype"] == "float32" and greedy["requests"] == 4
-    assert greedy["identical"] == 4 - len(greedy["differ"])
-    assert all(0 <= d["first_diff"] <= 16 for d in greedy["differ"]), greedy
-
-    online = {(r["system"], r["qps"]): r for r in report["online"]}
-    assert set(online) == {("ours", 1.0), ("vllm", 1.0)}
-    for row in online.values():
-        assert row["num_requests"] == 4 and row["errors"] == 0, row
-        assert row["ttft_p50"] > 0 and 0 < row["tbt_p50"] <= row["tbt_p99"], row
-        assert row["throughput_output_tokens_per_s"] > 0, row
-    assert {s["system"] for s in report["online_startup"]} == {"ours", "vllm"}
-    assert all(0 < s["ready_s"] <= s["first_request_s"] for s in report["online_startup"])
+    assert greedy["identical"] == 4 and greedy["differ"] == [], greedy  # as vLLM's own greedy outputs
+    assert report["online"] == [] and report["online_startup"] == []
 
     summary = report["summary"]
     assert summary["offline"]["float32"]["ours_over_vllm"] > 0
-    assert set(summary["online"]["float32"]["1.0"]) == {"ours", "vllm"}
     table = out.with_suffix(".md").read_text()
-    assert "| float32 |" in table and f"{greedy['identical']}/4 requests identical token for token" in table
+    assert "| float32 |" in table and "4/4 requests identical token for token" in table
 
 
 def test_without_vllm_it_says_so_and_measures_nothing(tmp_path):
