@@ -75,7 +75,8 @@ def _eight_head_shape(folder: Path) -> Path:
 
 def _timed_step(engine: LLMEngine) -> tuple[float, float]:
     def comm() -> float:
-        return engine.model.tp.comm_seconds + (engine.workers.broadcast_seconds if engine.workers else 0.0)
+        workers = getattr(engine.executor, "workers", None)
+        return engine.model.tp.comm_seconds + (workers.broadcast_seconds if workers else 0.0)
 
     c0, t0 = comm(), time.perf_counter()
     engine.step()

@@ -138,22 +138,28 @@ class _DeadWorkers:
 
     failed = None
 
+    def __init__(self, executor) -> None:
+        self.executor = executor  # the engine's own, for everything but running a step
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
     def execute(self, *args, **kwargs):
         self.failed = "tensor-parallel worker rank 1 (pid 4242) was killed by signal 9"
         raise RuntimeError("Connection closed by peer")
 
-    def check_alive(self) -> None:
+    def check_health(self) -> None:
         if self.failed:
-            raise RuntimeError(self.failed)
+            raise EngineDeadError(self.failed)
 
 
 def test_only_a_broken_device_or_worker_is_fatal_and_the_error_says_why(tiny_checkpoints):
     engine = LLMEngine(tiny_checkpoints["llama"], **OPTIONS)
-    engine.workers = _DeadWorkers()
+    engine.executor = _DeadWorkers(engine.executor)
     engine.add_request("a", [5, 6, 7], greedy(4))
     with pytest.raises(EngineDeadError, match="rank 1 .* killed by signal 9"):
         engine.step()
-    engine.workers = None  # the engine object is not used again; let it collect without a worker group
+    engine.executor = engine.executor.executor
 
 
 def test_llm_recovers_after_a_failed_step(chat_checkpoint):
@@ -170,10 +176,10 @@ def test_llm_recovers_after_a_failed_step(chat_checkpoint):
 
 def test_a_dead_engine_leaves_none_of_the_calls_requests_queued(chat_checkpoint):
     llm = LLM(chat_checkpoint, **OPTIONS)
-    llm.engine.workers = _DeadWorkers()
+    llm.engine.executor = _DeadWorkers(llm.engine.executor)
     with pytest.raises(EngineDeadError):
         llm.generate(["a", "b"], greedy(4), use_tqdm=False)
-    llm.engine.workers = None
+    llm.engine.executor = llm.engine.executor.executor
     assert_idle(llm.engine)
 
 

@@ -128,7 +128,7 @@ def test_pp2_greedy_matches_pp1_and_hf_for_sarathi_and_vllm_chunks_7_and_64_with
     pp1 = None if (kind, "vllm", 64) in pp1_runs else LLMEngine(tiny_checkpoints[kind], **options)
     pp2 = LLMEngine(tiny_checkpoints[kind], pipeline_parallel_size=2, tensor_parallel_size=tp, **options)
     try:
-        assert len(pp2.workers.processes) == 2 * tp - 1
+        assert len(pp2.executor.workers.processes) == 2 * tp - 1
         assert pp2.runner.kv_cache.shape[0] == 1  # stage 0's one layer of the two
         preempted = {"pp1": 0, "pp2": 0}
         for policy, chunk_size in (("sarathi", 7), ("sarathi", 64), ("vllm", 64)):
@@ -187,7 +187,7 @@ def test_a_stage_sends_the_micro_batch_on_only_after_its_own_layers(monkeypatch)
     groups = SimpleNamespace(pp=PipelineParallel(0, 2), rank=0, tp_size=1, pipe=None)
     monkeypatch.setattr(pipeline, "send_micro_batch", lambda g, out: events.append(f"micro-batch {out}"))
     monkeypatch.setattr(pipeline.dist, "send", lambda t, dst, group=None: events.append(f"tensor to {dst}"))
-    *_, busy = pipeline.run_stage(runner, groups, "mb")
+    busy = pipeline.run_stage(runner, groups, "batch", "mb").stage_busy
     assert events == ["layers", "micro-batch mb", "tensor to 1", "tensor to 1", "tensor to 1"]
     assert len(busy) == 1 and busy[0] >= 0
 
@@ -214,7 +214,7 @@ def test_decodes_ready_together_are_shared_by_the_two_micro_batches(tiny_checkpo
 def _start(path) -> tuple[LLMEngine, list]:
     engine = LLMEngine(path, pipeline_parallel_size=2, num_kv_blocks=16, chunk_size=16, device="cpu",
                        attention_backend="torch")
-    return engine, list(engine.workers.processes)
+    return engine, list(engine.executor.workers.processes)
 
 
 def test_dropping_the_engine_leaves_no_child_process(tiny_checkpoints):
@@ -234,8 +234,8 @@ def test_a_killed_stage_makes_rank_0_raise_a_clear_error_within_seconds(tiny_che
         engine.add_request(f"r{i}", list(range(3 + i, 60)), None)
     engine.step()
     if when == "in flight":  # a micro-batch is down the pipeline when stage 1 dies
-        engine._executor.submit(lambda: None).result()
-        assert engine.workers.pending >= 1
+        engine._batches.forward_thread.submit(lambda: None).result()
+        assert engine.executor.workers.pending >= 1
     os.kill(procs[0].pid, signal.SIGKILL)
     t0 = time.monotonic()
     try:

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from sarathi_lite import LLM, SamplingParams
+from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.server import ServerConfig
 from tests.conftest import TINY, make_tiny_checkpoint
 from tests.live_server import MODEL, assert_openai_error, serve_in_thread
@@ -271,18 +272,24 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(checkpoint):
 class _DeadWorkers:
     failed = None
 
+    def __init__(self, executor) -> None:
+        self.executor = executor  # the engine's own, for everything but running a step
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
     def execute(self, *args, **kwargs):
         self.failed = "tensor-parallel worker rank 1 (pid 4242) was killed by signal 9"
         raise RuntimeError("Connection closed by peer")
 
-    def check_alive(self) -> None:
+    def check_health(self) -> None:
         if self.failed:
-            raise RuntimeError(self.failed)
+            raise EngineDeadError(self.failed)
 
 
 def test_a_dead_worker_stops_the_engine_and_health_says_why(checkpoint):
     def patch(engine):
-        engine.workers = _DeadWorkers()
+        engine.executor = _DeadWorkers(engine.executor)
 
     with serve_in_thread(checkpoint, patch=patch, **ENGINE) as url:
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)

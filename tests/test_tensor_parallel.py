@@ -217,7 +217,7 @@ def test_tp2_greedy_matches_tp1_and_hf_for_sarathi_and_vllm_chunks_7_and_64_with
 
 def _start(path: Path) -> tuple[LLMEngine, list]:
     engine = LLMEngine(path, tensor_parallel_size=2, num_kv_blocks=16, device="cpu", attention_backend="torch")
-    return engine, list(engine.workers.processes)
+    return engine, list(engine.executor.workers.processes)
 
 
 def test_dropping_the_engine_leaves_no_child_process(tp_checkpoints):
@@ -313,7 +313,7 @@ import sys, time
 from sarathi_lite import LLMEngine
 if __name__ == "__main__":
     engine = LLMEngine(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=16, device="cpu", attention_backend="torch")
-    print(engine.workers.processes[0].pid, flush=True)
+    print(engine.executor.workers.processes[0].pid, flush=True)
     time.sleep(120)
 """
 

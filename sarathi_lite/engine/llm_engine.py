@@ -2,38 +2,34 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import logging
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sarathi_lite.costs import load_cost_model
+from sarathi_lite.engine.batch_queue import BatchQueue, BatchRun
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.errors import EngineDeadError
+from sarathi_lite.engine.executor import Executor, SamplingInputs
 from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool, runner_view
+from sarathi_lite.engine.model_runner import runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.parallel_executor import ParallelExecutor
 from sarathi_lite.engine.prompts import check_token_ids
-from sarathi_lite.engine.sampler import History
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
-from sarathi_lite.engine.worker import RankSetup, WorkerGroup, check_parallel_config
 from sarathi_lite.metrics import MetricsRecorder, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.models.interface import CausalLM
-from sarathi_lite.models.loader import load_model
-from sarathi_lite.scheduler import PLACEHOLDER_TOKEN, Request, SchedulerOutput, make_scheduler
+from sarathi_lite.scheduler import Request, SchedulerOutput, make_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -91,19 +87,11 @@ class LLMEngine:
         path = resolve_model(config.model)
         device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, device)
-        self.workers: WorkerGroup | None = None
         self._finalizer: Callable[[], Any] | None = None
-        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
-        if tp_size * pp_size > 1:
-            check_parallel_config(ModelConfig.from_pretrained(path), tp_size, device, pp_size)
-            setup = RankSetup.of(config, str(path), dtype, device)
-            device = setup.device(0)
-            self.workers = WorkerGroup.start(setup.world_size, setup)
-            self._finalizer = weakref.finalize(self, self.workers.shutdown)
+        executor, model = _start_executor(config, path, dtype, device)
+        self._finalizer = weakref.finalize(self, executor.shutdown)
         try:
-            tp, pp = (None, None) if self.workers is None else (self.workers.tp, self.workers.pp)
-            model = load_model(path, dtype, device, config.load_format, tp, pp)
-            self._start(config, path, device, dtype, model, model, _load_tokenizer(path), clock, t0, connector)
+            self._start(config, path, dtype, executor, model, model, _load_tokenizer(path), clock, t0, connector)
         except BaseException:
             self.shutdown()
             raise
@@ -119,7 +107,8 @@ class LLMEngine:
         at once."""
         model = options.pop("model", None)
         config = _engine_config(model, config, options)
-        if source.workers is not None or config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        if not source.executor.single_process or config.tensor_parallel_size > 1 \
+                or config.pipeline_parallel_size > 1:
             raise ValueError("from_model: engines with tensor_parallel_size or pipeline_parallel_size > 1 cannot "
                              "share loaded weights")
         t0 = time.perf_counter()
@@ -131,48 +120,36 @@ class LLMEngine:
                              f"{source.device}), not {path.name} ({dtype}, {device})")
         config = config.replace(model=str(path), dtype=str(dtype).removeprefix("torch."), device=str(device))
         engine = cls.__new__(cls)
-        engine.workers, engine._finalizer = None, None
-        engine._start(config, path, device, dtype, source.model, runner_view(source.model), source.tokenizer,
-                      clock, t0, connector)
+        engine._finalizer = None
+        engine._start(config, path, dtype, Executor(device), source.model, runner_view(source.model),
+                      source.tokenizer, clock, t0, connector)
         return engine
 
-    def _start(self, config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
-               model: CausalLM, runner_model: CausalLM, tokenizer: Any, clock: Callable[[], float],
-               t0: float, kv_connector: KVConnector | None = None) -> None:
-        """Everything but loading: the KV pool, the scheduler, the model runner (on ``runner_model``: ``model``
-        itself, or a ``runner_view`` of shared weights), the records."""
+    def _start(self, config: EngineConfig, path: Path, dtype: torch.dtype, executor: Executor, model: CausalLM,
+               runner_model: CausalLM, tokenizer: Any, clock: Callable[[], float], t0: float,
+               kv_connector: KVConnector | None = None) -> None:
+        """Everything but loading: the KV pool and the executor's model runner (on ``runner_model``: ``model``
+        itself, or a ``runner_view`` of shared weights), the scheduler, the records."""
         self.config = config
-        self.model_path, self.device, self.dtype = path, device, dtype
+        self.executor = executor
+        self.model_path, self.device, self.dtype = path, executor.device, dtype
         self.model, self.tokenizer = model, tokenizer
         self.clock = clock
         self.model_config: ModelConfig = self.model.config
-        pool = rank_kv_pool(config, self.model_config, self.model.tp.size, self.dtype, self.device)
-        if self.workers is not None:
-            pool = self.workers.agree_pool(config, pool, self.model_config.max_position_embeddings)
-        max_model_len = pool.max_model_len
-        self.scheduler_config = config.scheduler_config(pool.num_blocks, max_model_len)
+        pool = executor.build_runner(config, runner_model, dtype)
+        self.runner = executor.runner
+        self.scheduler_config = config.scheduler_config(pool.num_blocks, pool.max_model_len)
         if kv_connector is None:
             kv_connector = make_kv_connector(config.kv_transfer)
-        if kv_connector is not None and self.workers is not None:
+        if kv_connector is not None and not executor.single_process:
             raise ValueError("kv_connector: not with tensor_parallel_size > 1 (each rank holds a shard of the KV)")
         self.kv_connector = kv_connector
         self.scheduler = make_scheduler(self.scheduler_config, _predictor(config), kv_connector)
-        self.runner = ModelRunner(runner_model, block_size=pool.block_size, num_blocks=pool.num_blocks,
-                                  device=self.device, dtype=self.dtype, attention_backend=config.attention_backend)
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(self.model_path) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
-            else set())
+        self.eos_token_ids = _eos_token_ids(self.model_config, path, tokenizer)
         self.metrics = MetricsRecorder(record_batches=config.record_batches, window=config.stats_window)
         self.outputs = OutputProcessor(self.tokenizer)
-        # The batch queue: batches scheduled and submitted, oldest first, with their submission future (None when
-        # they run inline), start and end-of-schedule times. Batches run in order on one executor thread.
-        self._depth = self.scheduler_config.max_concurrent_batches
-        self._queue: deque[tuple[SchedulerOutput, Future[tuple[StepResult, list[tuple[str, bool]]]] | None,
-                                 float, float]] = deque()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sarathi-lite-forward") if self._depth > 1 \
-            else None
-        self._recent_tokens: deque[dict[str, int]] = deque(maxlen=self._depth)  # executor thread only
-        self._to_release: list[str] = []  # finished requests whose runner state goes with the next batch
+        # Batches scheduled and not yet processed: run inline, or several in flight on a forward thread.
+        self._batches = BatchQueue(self.scheduler_config.max_concurrent_batches, kv_connector)
         self._publish_snapshot()
         # Move everything loaded so far out of the collector's sight: full collections over the model and
         # tokenizer objects otherwise show up as step-time spikes (as vLLM does).
@@ -187,11 +164,7 @@ class LLMEngine:
         connector supplies (their prefill is skipped; see ``sarathi_lite.engine.kv_connector``). Raises
         ``ValueError`` for bad input; the engine is unchanged then."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id={request_id!r} must be a string")
-        self._check_vocab(request_id, params)
+        _check_request(request_id, params, self.model_config.vocab_size)
         if num_external_tokens and self.kv_connector is None:
             raise ValueError(f"request {request_id!r}: num_external_tokens={num_external_tokens!r} needs an engine "
                              f"with a KV connector")
@@ -203,25 +176,6 @@ class LLMEngine:
         self.scheduler.add(request, num_external_tokens)
         self.outputs.add(request, text, params, self.metrics.add(request_id, arrival, len(token_ids)))
         self._publish_snapshot()
-
-    def _check_vocab(self, request_id: str, params: SamplingParams) -> None:
-        """The checks of ``params`` that need the vocabulary: stop token ids and ``logit_bias`` keys inside it,
-        ``logprobs`` at most its size; and one completion per request."""
-        vocab = self.model_config.vocab_size
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise ValueError(f"request {request_id!r}: stop_token_ids contains {t}, outside the vocabulary "
-                                 f"[0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary size "
-                             f"{vocab}")
-        for t in params.logit_bias:
-            if t >= vocab:
-                raise ValueError(f"request {request_id!r}: logit_bias contains the key {t}, outside the vocabulary "
-                                 f"[0, {vocab})")
-        if params.num_completions > 1:
-            raise ValueError(f"request {request_id!r}: n={params.n}, best_of={params.best_of}: a request of the "
-                             f"step API is one completion; LLM.generate and the server run several")
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request in any state and free its KV blocks; returns its final output (``finish_reason``
@@ -248,7 +202,7 @@ class LLMEngine:
         return dropped
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._queue)
+        return self.scheduler.has_unfinished() or bool(self._batches)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
@@ -267,30 +221,29 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        if self._executor is None:
+        batches, scheduler = self._batches, self.scheduler
+        if batches.inline:
             start = self.clock()
-            out = self.scheduler.schedule()
+            out = scheduler.schedule()
             scheduled = self.clock()
             try:
-                return self._postprocess(out, self._execute(out, *self._sampling(out)), start, scheduled)
+                return self._postprocess(out, batches.run(self.executor, out, self._sampling(out)), start, scheduled)
             except Exception as e:  # fail this step's requests, not the engine, unless the device itself broke
                 return self._failed_step(out, e)
-        while len(self._queue) < self._depth and self.scheduler.can_schedule() and self.scheduler.has_unfinished():
+        while len(batches) < batches.depth and scheduler.can_schedule() and scheduler.has_unfinished():
             start = self.clock()
-            out = self.scheduler.schedule()
+            out = scheduler.schedule()
             scheduled = self.clock()
-            release, self._to_release = self._to_release, []
-            future = self._executor.submit(self._execute, out, *self._sampling(out), release)
-            self._queue.append((out, future, start, scheduled))
+            batches.submit(self.executor, out, self._sampling(out), start, scheduled)
             if out.is_empty:  # nothing else can run until a batch in flight returns
                 break
-        if not self._queue:
+        if not batches:
             return []
-        out, future, start, scheduled = self._queue.popleft()
+        batch = batches.popleft()
         try:
-            return self._postprocess(out, future.result(), start, scheduled)
+            return self._postprocess(batch.out, batch.run.result(), batch.start, batch.scheduled)
         except Exception as e:
-            return self._failed_step(out, e)
+            return self._failed_step(batch.out, e)
 
     def _failed_step(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
         """A batch failed to run or be processed: raise ``EngineDeadError`` if the device or a worker broke, else
@@ -327,72 +280,19 @@ class LLMEngine:
         """Raise ``EngineDeadError`` saying why if the engine cannot run steps any more: a tensor-parallel
         worker has exited or fallen out of step, or the CUDA device reports an error (CUDA errors are sticky:
         every later kernel would fail too)."""
-        if self.workers is not None:
-            try:
-                self.workers.check_alive()
-            except RuntimeError as e:
-                raise EngineDeadError(str(e)) from e
-            if self.workers.failed:
-                raise EngineDeadError(self.workers.failed)
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.synchronize(self.device)
-            except Exception as e:  # torch.AcceleratorError and friends: the device is gone for this process
-                raise EngineDeadError(f"the device {self.device} failed: {e}") from e
+        self.executor.check_health()
 
-    def _sampling(self, out: SchedulerOutput) -> tuple[dict[str, SamplingParams], dict[str, tuple[int, ...]],
-                                                       dict[str, History]]:
-        return self.outputs.sampling([s.request_id for s in out.scheduled if s.sample])
+    def _sampling(self, out: SchedulerOutput) -> SamplingInputs:
+        return SamplingInputs(*self.outputs.sampling([s.request_id for s in out.scheduled if s.sample]))
 
-    def _execute(self, out: SchedulerOutput, params: dict[str, SamplingParams], banned: dict[str, tuple[int, ...]],
-                 history: dict[str, History], release: Sequence[str] = ()
-                 ) -> tuple[StepResult, list[tuple[str, bool]]]:
-        """Run one batch: its KV loads, then its forward pass and sampling (on the forward thread when batches are
-        in flight). ``release``: finished requests whose runner state can go now. Returns the step's result and
-        each KV load's ``(request id, ok)``."""
-        for rid in release:
-            self.runner.release(rid)
-        loads = [(load.request_id, self.kv_connector.load(load, self.runner)) for load in out.kv_loads] \
-            if out.kv_loads else []
-        if out.is_empty:
-            return StepResult({}, {}), loads
-        if self._executor is not None:
-            out = self._resolve_placeholders(out)
-        if self.workers is not None:
-            result = self.workers.execute(self.runner, out, params, banned, history)
-        else:
-            result = self.runner.execute(out, params, banned=banned, history=history)
-        if self._executor is not None and not callable(result):  # pipeline stages: sampled later, in _postprocess
-            self._recent_tokens.append(result.tokens)
-        return result, loads
-
-    def _resolve_placeholders(self, out: SchedulerOutput) -> SchedulerOutput:
-        """``out`` with each ``PLACEHOLDER_TOKEN`` input replaced by the token a batch before it sampled for that
-        request (async scheduling; the scheduler's own record is left as it is)."""
-        rows = out.scheduled
-        if not any(s.token_ids[0] == PLACEHOLDER_TOKEN for s in rows if not s.is_prefill):
-            return out
-        recent = self._recent_tokens
-
-        def sampled(rid: str) -> int:
-            for tokens in reversed(recent):
-                if rid in tokens:
-                    return tokens[rid]
-            raise RuntimeError(f"async scheduling: no sampled token for request {rid!r}'s next decode")
-
-        return dataclasses.replace(out, scheduled=[
-            dataclasses.replace(s, token_ids=[sampled(s.request_id)])
-            if not s.is_prefill and s.token_ids[0] == PLACEHOLDER_TOKEN else s for s in rows])
-
-    def _postprocess(self, out: SchedulerOutput, run: tuple[StepResult, list[tuple[str, bool]]], start: float,
-                     scheduled: float) -> list[RequestOutput]:
-        result, loads = run
-        if callable(result):  # pipeline parallelism: wait for the last stage's logits and sample them
-            result = result()
-        for rid, ok in loads:
-            if not ok:
-                logger.warning("request %r: the KV connector could not supply its prompt's K/V; recomputing it", rid)
-            self.scheduler.finish_kv_load(rid, ok)
+    def _postprocess(self, out: SchedulerOutput, run: BatchRun, start: float, scheduled: float
+                     ) -> list[RequestOutput]:
+        result = run.step.result()  # pipeline parallelism: waits for the last stage's logits and samples them
+        for load in run.loads:
+            if not load.ok:
+                logger.warning("request %r: the KV connector could not supply its prompt's K/V; recomputing it",
+                               load.request_id)
+            self.scheduler.finish_kv_load(load.request_id, load.ok)
         finished = self.scheduler.update(out, result.tokens)
         end = self.clock()
         if self.kv_connector is not None:
@@ -419,12 +319,9 @@ class LLMEngine:
         self.metrics.finish(req.request_id, now, "stop")
 
     def _release(self, request_id: str) -> None:
-        """Forget a finished request's runner state: now, or, with batches in flight (one may still hold a row of
-        it), in order with the next batch."""
-        if self._executor is None:
-            self.runner.release(request_id)
-        else:
-            self._to_release.append(request_id)
+        """Forget a finished request's executor state: now, or, with batches in flight (one may still hold a row
+        of it), in order with the next batch."""
+        self._batches.release(self.executor, request_id)
 
     # ------------------------------------------------------------------ helpers
 
@@ -432,9 +329,9 @@ class LLMEngine:
         """Stop the tensor-parallel worker processes, if any (idempotent; also runs when the engine is
         collected and at interpreter exit), and the forward thread of batches in flight. The engine cannot step
         afterwards."""
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=True)
+        batches = getattr(self, "_batches", None)
+        if batches is not None:
+            batches.shutdown()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -447,15 +344,7 @@ class LLMEngine:
         self.metrics.reset()
 
     def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {self.model_path}")
-            check_text(f"request {request_id!r}: prompt", prompt)
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-            raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
-                             f"{type(prompt).__name__}")
-        return None, check_token_ids(f"request {request_id!r}", prompt, self.model_config.vocab_size)
+        return _tokenize(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id, prompt)
 
     # ------------------------------------------------------------------ state for other threads
 
@@ -467,12 +356,7 @@ class LLMEngine:
     def _publish_snapshot(self) -> None:
         """Replace the snapshot other threads read (one reference assignment: a reader sees the old or the new
         record, whole). Called by the engine's own thread after every operation that changes its state."""
-        sched = self.scheduler
-        blocks = sched.block_manager
-        self._snapshot = EngineSnapshot(
-            num_steps=self.metrics.num_iterations, num_waiting=len(sched.waiting), num_running=len(sched.running),
-            kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_blocks,
-            kv_blocks_cached=blocks.num_cached_blocks, prefix_hit_rate=blocks.hit_rate)
+        self._snapshot = _snapshot_of(self.scheduler, self.metrics.num_iterations)
 
 
 def _engine_config(model: str | Path | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
@@ -481,6 +365,29 @@ def _engine_config(model: str | Path | None, config: EngineConfig | None, option
     if model is not None or options:
         raise TypeError("give either config= or the model and options, not both")
     return config
+
+
+def _check_request(request_id: str, params: SamplingParams, vocab: int) -> None:
+    """The checks of a request's id and ``params`` (with those that need the vocabulary: stop token ids and
+    ``logit_bias`` keys inside it, ``logprobs`` at most its size; and one completion per request)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id={request_id!r} must be a string")
+    for t in params.stop_token_ids:
+        if t >= vocab:
+            raise ValueError(f"request {request_id!r}: stop_token_ids contains {t}, outside the vocabulary "
+                             f"[0, {vocab})")
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary size "
+                         f"{vocab}")
+    for t in params.logit_bias:
+        if t >= vocab:
+            raise ValueError(f"request {request_id!r}: logit_bias contains the key {t}, outside the vocabulary "
+                             f"[0, {vocab})")
+    if params.num_completions > 1:
+        raise ValueError(f"request {request_id!r}: n={params.n}, best_of={params.best_of}: a request of the "
+                         f"step API is one completion; LLM.generate and the server run several")
 
 
 def _predictor(config: EngineConfig) -> Any:
@@ -501,9 +408,55 @@ def _load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def _eos_token_ids(model_config: ModelConfig, path: Path, tokenizer: Any) -> frozenset[int]:
+    """The token ids that end a request (unless it ignores EOS): the model's, its generation config's, the
+    tokenizer's."""
+    eos = frozenset(model_config.eos_token_ids) | _generation_eos(path)
+    return eos | {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else eos
+
+
 def _generation_eos(path: Path) -> frozenset[int]:
     file = path / "generation_config.json"
     if not file.is_file():
         return frozenset()
     eos = json.loads(file.read_text()).get("eos_token_id")
     return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _start_executor(config: EngineConfig, path: Path, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[Executor, CausalLM]:
+    """The executor ``config`` asks for (worker processes started when it spans several ranks) and rank 0's
+    share of the model at ``path``, loaded. Raises ``ValueError`` before any process starts for a parallel layout
+    the model or the machine cannot take."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        executor = Executor(device)
+    else:
+        executor = ParallelExecutor.start(config, path, dtype, device)
+    try:
+        return executor, executor.load_model(path, dtype, config.load_format)
+    except BaseException:
+        executor.shutdown()
+        raise
+
+
+def _tokenize(tokenizer: Any, model_path: Path, vocab: int, request_id: str, prompt: str | Sequence[int]
+              ) -> tuple[str | None, list[int]]:
+    """``(text, token ids)`` of a request's prompt (``text`` ``None`` for token ids); ``ValueError`` for a bad
+    one."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {model_path}")
+        check_text(f"request {request_id!r}: prompt", prompt)
+        return prompt, tokenizer(prompt).input_ids
+    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+    return None, check_token_ids(f"request {request_id!r}", prompt, vocab)
+
+
+def _snapshot_of(scheduler: Any, num_steps: int) -> EngineSnapshot:
+    """The ``EngineSnapshot`` of ``scheduler``'s queues and KV pool after ``num_steps`` steps."""
+    blocks = scheduler.block_manager
+    return EngineSnapshot(num_steps=num_steps, num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+                          kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_blocks,
+                          kv_blocks_cached=blocks.num_cached_blocks, prefix_hit_rate=blocks.hit_rate)

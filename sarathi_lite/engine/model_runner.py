@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,6 +38,17 @@ class StepResult:
     forward_time: float = 0.0
     sample_time: float = 0.0
     stage_busy: tuple[float, ...] = ()
+
+
+class ForwardPass(NamedTuple):
+    """One forward pass (``ModelRunner.forward``): the sampling rows' logits ``[len(rows), vocab]`` float32 (``None``
+    when no row samples, and on ranks that do not sample), ``rows`` (indices into the batch's rows that sample),
+    and the seconds spent building inputs and running the model."""
+
+    logits: torch.Tensor | None
+    rows: list[int]
+    prepare_time: float
+    forward_time: float
 
 
 def runner_view(model: CausalLM) -> CausalLM:
@@ -154,7 +165,7 @@ class ModelRunner:
                           prepare_time, forward_time, time.perf_counter() - t2)
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[int], float, float]:
+    def forward(self, out: SchedulerOutput) -> ForwardPass:
         """The forward pass of ``out``'s batch: ``(logits [len(rows), vocab] float32, rows, prepare seconds,
         forward seconds)``, ``rows`` the indices into ``out.scheduled`` that sample. Logits are ``None`` when no
         row samples, and on tensor-parallel ranks other than 0 (they take part in the same collectives)."""
@@ -173,4 +184,4 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(input_ids, meta.positions)
         logits = self.model.compute_logits(hidden.index_select(0, last)) if rows else None
-        return logits, rows, t1 - t0, time.perf_counter() - t1
+        return ForwardPass(logits, rows, t1 - t0, time.perf_counter() - t1)

@@ -4,8 +4,9 @@ With ``pipeline_parallel_size`` P and ``tensor_parallel_size`` T the engine has 
 tensor-parallel rank ``r % T`` of stage ``r // T`` (``models.pipeline``: contiguous layers per stage). Rank 0
 (stage 0) schedules and samples. For each micro-batch (a ``SchedulerOutput``):
 
-- stage 0's ranks get it from rank 0 (a broadcast on their control group, as tensor parallelism does); every
-  rank of stage ``s`` < P - 1 runs its layers, then sends the micro-batch, the hidden states and residual
+- stage 0's ranks get it from rank 0 as a ``StepDelta`` (``engine.step_delta``: what changed since the last step,
+  a broadcast on their control group, as tensor parallelism does); every rank rebuilds the batch from it, and
+  every rank of stage ``s`` < P - 1 runs its layers, then sends the delta, the hidden states and residual
   ``[N, hidden]`` and the seconds each stage so far spent on it to its peer (the same tensor-parallel rank) of
   stage ``s + 1`` (``run_stage``), all with point-to-point sends on a gloo group. The micro-batch travels with
   its activations, after the stage's work, not before it: a gloo send waits until the receiver posts the
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from sarathi_lite.engine.model_runner import ModelRunner
+from sarathi_lite.engine.step_delta import StepDelta
 from sarathi_lite.models.pipeline import PipelineParallel
 from sarathi_lite.scheduler import SchedulerOutput
 
@@ -54,52 +56,69 @@ class PipelineGroups:
         return (self.pp.size - 1) * self.tp_size
 
 
-def send_micro_batch(groups: PipelineGroups, out: SchedulerOutput | None) -> None:
-    """Send ``out`` (``None``: stop) to this rank's peer in the next stage."""
-    dist.send_object_list([out], dst=groups.rank + groups.tp_size, group=groups.pipe)
+@dataclass(slots=True)
+class StageResult:
+    """This stage's share of a micro-batch: ``ModelRunner.forward``'s logits (last stage only), sampling rows and
+    seconds, and the seconds each stage up to this one spent on it."""
+
+    logits: torch.Tensor | None
+    rows: list[int]
+    prepare_time: float
+    forward_time: float
+    stage_busy: list[float]
 
 
-def recv_micro_batch(groups: PipelineGroups) -> SchedulerOutput | None:
-    """The next micro-batch (``None``: stop) from this rank's peer in the previous stage."""
-    message: list[SchedulerOutput | None] = [None]
+def send_micro_batch(groups: PipelineGroups, message: StepDelta | None) -> None:
+    """Send ``message`` (``None``: stop) to this rank's peer in the next stage."""
+    dist.send_object_list([message], dst=groups.rank + groups.tp_size, group=groups.pipe)
+
+
+def recv_micro_batch(groups: PipelineGroups) -> StepDelta | None:
+    """The next micro-batch's delta (``None``: stop) from this rank's peer in the previous stage."""
+    message: list[StepDelta | None] = [None]
     dist.recv_object_list(message, src=groups.rank - groups.tp_size, group=groups.pipe)
     return message[0]
 
 
-def run_stage(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput
-              ) -> tuple[torch.Tensor | None, list[int], float, float, list[float]]:
-    """This stage's share of ``out``: receive the previous stage's activations (not on the first stage), run its
-    layers (``runner.forward``), send ``out`` and the activations on (not on the last). Returns ``runner.forward``'s
-    ``(logits, rows, prepare seconds, forward seconds)`` and the seconds each stage up to this one spent on it."""
+def _recv_activations(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput) -> list[float]:
+    """Receive the previous stage's hidden states and residual for ``out`` into the model's stage input; returns
+    the seconds each stage before this one spent on it."""
     model = runner.model
-    pp = groups.pp
-    busy: list[float] = []
     on = activation_device(runner.device)
-    if not pp.is_first:
-        n = sum(s.num_new_tokens for s in out.scheduled)
-        hidden = torch.empty(n, model.config.hidden_size, dtype=runner.kv_cache.dtype, device=on)
-        residual, times = torch.empty_like(hidden), torch.empty(pp.stage, dtype=torch.float64)
-        src = groups.rank - groups.tp_size
-        dist.recv(hidden, src)
-        dist.recv(residual, src)
-        dist.recv(times, src, group=groups.pipe)
-        model.stage_input = (hidden.to(runner.device), residual.to(runner.device))
-        busy = times.tolist()
+    n = sum(s.num_new_tokens for s in out.scheduled)
+    hidden = torch.empty(n, model.config.hidden_size, dtype=runner.kv_cache.dtype, device=on)
+    residual, times = torch.empty_like(hidden), torch.empty(groups.pp.stage, dtype=torch.float64)
+    src = groups.rank - groups.tp_size
+    dist.recv(hidden, src)
+    dist.recv(residual, src)
+    dist.recv(times, src, group=groups.pipe)
+    model.stage_input = (hidden.to(runner.device), residual.to(runner.device))
+    return times.tolist()
+
+
+def run_stage(runner: ModelRunner, groups: PipelineGroups, out: SchedulerOutput, message: StepDelta
+              ) -> StageResult:
+    """This stage's share of ``out``: receive the previous stage's activations (not on the first stage), run its
+    layers (``runner.forward``), send ``message`` (``out``'s delta) and the activations on (not on the last)."""
+    pp = groups.pp
+    busy = [] if pp.is_first else _recv_activations(runner, groups, out)
     t0 = time.perf_counter()
     logits, rows, prepare_time, forward_time = runner.forward(out)
     if not pp.is_last:
+        model = runner.model
+        on = activation_device(runner.device)
         hidden, residual = model.stage_output
         model.stage_output = None
         hidden, residual = hidden.to(on).contiguous(), residual.to(on).contiguous()
         busy.append(time.perf_counter() - t0)
         dst = groups.rank + groups.tp_size
-        send_micro_batch(groups, out)
+        send_micro_batch(groups, message)
         dist.send(hidden, dst)
         dist.send(residual, dst)
         dist.send(torch.tensor(busy, dtype=torch.float64), dst, group=groups.pipe)
     else:
         busy.append(time.perf_counter() - t0)
-    return logits, rows, prepare_time, forward_time, busy
+    return StageResult(logits, rows, prepare_time, forward_time, busy)
 
 
 def activation_device(device: torch.device) -> torch.device:
@@ -115,12 +134,21 @@ def send_logits(groups: PipelineGroups, busy: list[float], logits: torch.Tensor 
         dist.send(logits.cpu().contiguous(), 0, group=groups.logits)
 
 
-def recv_logits(groups: PipelineGroups, num_rows: int, vocab_size: int) -> tuple[list[float], torch.Tensor | None]:
+@dataclass(slots=True)
+class StageLogits:
+    """What the last stage sends rank 0 for a micro-batch: each stage's seconds on it, and its sampling rows'
+    logits (``None`` when no row samples)."""
+
+    stage_busy: list[float]
+    logits: torch.Tensor | None
+
+
+def recv_logits(groups: PipelineGroups, num_rows: int, vocab_size: int) -> StageLogits:
     """Rank 0: each stage's seconds on the oldest micro-batch in flight, and its ``num_rows`` rows' logits."""
     busy = torch.empty(groups.pp.size, dtype=torch.float64)
     dist.recv(busy, groups.last_root, group=groups.logits)
     if not num_rows:
-        return busy.tolist(), None
+        return StageLogits(busy.tolist(), None)
     logits = torch.empty(num_rows, vocab_size, dtype=torch.float32)
     dist.recv(logits, groups.last_root, group=groups.logits)
-    return busy.tolist(), logits
+    return StageLogits(busy.tolist(), logits)

@@ -1,8 +1,10 @@
 """Tensor-parallel workers: ranks 1..N-1 of an engine, each holding 1/N of the weights and KV heads.
 
-Rank 0 (the engine's process) owns the scheduler, the tokenizer and sampling. Every step it sends the
-``SchedulerOutput`` to the other ranks (``broadcast_object_list`` on a gloo *control* group, whose long timeout
-lets workers wait through an idle engine); then all ranks run the same forward pass on their shards, whose
+Rank 0 (the engine's process) owns the scheduler, the tokenizer and sampling; its ``ParallelExecutor``
+(``engine.parallel_executor``) runs the steps. Every step it sends the other ranks a ``StepDelta`` (the batch as
+the change since the last step, ``engine.step_delta``; ``broadcast_object_list`` on a gloo *control* group, whose
+long timeout lets workers wait through an idle engine), from which each rank rebuilds the ``SchedulerOutput``
+with the block tables it keeps; then all ranks run the same forward pass on their shards, whose
 all-reduces run on the *forward* group (gloo on CPU, NCCL on CUDA) with a short timeout, and rank 0 samples.
 
 Workers are either spawned by the engine (``torch.multiprocessing``, spawn, daemon processes on this machine;
@@ -15,10 +17,8 @@ and turns a failed collective into a ``RuntimeError`` naming the dead rank; a wo
 interpreter exit) stops the workers: a ``None`` step when they are idle, else terminate, then kill.
 
 With ``pipeline_parallel_size`` P > 1 the group has P x T ranks (``sarathi_lite.engine.pipeline``): rank 0
-broadcasts each step to its own stage only and hands it to the next stage; ``execute`` then returns at once with
-a function that waits for the last stage's logits and samples them (``LLMEngine`` calls it when it processes that
-step), so rank 0 can send the next micro-batch meanwhile. While it waits it checks every 50 ms that the spawned
-workers are alive, so a dead stage is an error within a second, never a hang.
+broadcasts each step to its own stage only and hands it to the next stage (``ParallelExecutor`` says how rank 0
+waits for the logits).
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -40,24 +37,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sarathi_lite.engine.config import EngineConfig, KVPool
-from sarathi_lite.engine.model_runner import ModelRunner, StepResult, rank_kv_pool
-from sarathi_lite.engine.pipeline import (
-    PipelineGroups,
-    recv_logits,
-    recv_micro_batch,
-    run_stage,
-    send_logits,
-    send_micro_batch,
-)
-from sarathi_lite.engine.sampler import History
-from sarathi_lite.engine.sampling_params import SamplingParams
+from sarathi_lite.engine.model_runner import ModelRunner, rank_kv_pool
+from sarathi_lite.engine.pipeline import PipelineGroups, recv_micro_batch, run_stage, send_logits, send_micro_batch
+from sarathi_lite.engine.step_delta import StepDecoder, StepDelta
 from sarathi_lite.models.config import ModelConfig, check_tensor_parallel
 from sarathi_lite.models.llama import LlamaForCausalLM
 from sarathi_lite.models.loader import load_model
 from sarathi_lite.models.parallel import TensorParallel
 from sarathi_lite.models.pipeline import PipelineParallel
 from sarathi_lite.models.stages import check_pipeline_parallel
-from sarathi_lite.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -173,23 +161,25 @@ def serve(setup: RankSetup, rank: int, groups: Groups) -> None:
                          dtype=setup.dtype, attention_backend=setup.config.attention_backend)
     logger.info("rank %d of %d ready", rank, setup.world_size)
     pipe = groups.pipeline
+    steps = StepDecoder()
     while True:
         if pipe is None or pipe.pp.is_first:
-            message: list[SchedulerOutput | None] = [None]
+            message: list[StepDelta | None] = [None]
             dist.broadcast_object_list(message, src=0, group=groups.control)
-            out = message[0]
+            delta = message[0]
         else:
-            out = recv_micro_batch(pipe)
-        if out is None:
+            delta = recv_micro_batch(pipe)
+        if delta is None:
             if pipe is not None and not pipe.pp.is_last:
                 send_micro_batch(pipe, None)  # stop the next stage too
             return
+        out = steps.decode(delta)
         if pipe is None:
             runner.forward(out)
             continue
-        logits, _, _, _, busy = run_stage(runner, pipe, out)
+        stage = run_stage(runner, pipe, out, delta)
         if pipe.pp.is_last and groups.tp.rank == 0:
-            send_logits(pipe, busy, logits)
+            send_logits(pipe, stage.stage_busy, stage.logits)
 
 
 def _worker_main(rank: int, size: int, port: int, setup: RankSetup) -> None:
@@ -232,7 +222,6 @@ class WorkerGroup:
         self._exit_awaited = False  # a failure path waited for a worker's exit code already
         self.closed = False
         self.broadcast_seconds = 0.0
-        self._receiver: ThreadPoolExecutor | None = None
 
     @property
     def tp(self) -> TensorParallel:
@@ -320,71 +309,24 @@ class WorkerGroup:
     def agree_pool(self, config: EngineConfig, pool: KVPool, max_position_embeddings: int) -> KVPool:
         """Rank 0's side of ``build_shard``: ``pool`` cut to the smallest rank's, in blocks (``max_model_len``
         derived from it as usual). The workers are ready for steps after it."""
-        blocks = self._guard(_min_over_ranks, pool.num_blocks, self.groups.world)
+        blocks = self.guard(_min_over_ranks, pool.num_blocks, self.groups.world)
         self.busy = False
         if blocks == pool.num_blocks:
             return pool
         return config.replace(num_kv_blocks=blocks).kv_pool(kv_bytes_per_token=None,
                                                              max_position_embeddings=max_position_embeddings)
 
-    def execute(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-                banned: Mapping[str, Sequence[int]], history: Mapping[str, History] | None = None
-                ) -> StepResult | Callable[[], StepResult]:
-        """Send ``out`` to the workers, then run rank 0's share of the forward pass and sample (``banned``,
-        ``history``: as ``ModelRunner.execute``'s). With pipeline stages: send it down the pipeline and return a
-        function that waits for its logits and samples them (call them in the order of ``execute``)."""
-        self.check_alive()
-        self.busy = True
-        if self.pp is not None:
-            self.pending += 1
-            return self._guard(self._send_down, runner, out, params, banned, history)
-        result = self._guard(self._step, runner, out, params, banned, history)
-        self.busy = False
-        return result
-
-    def _broadcast(self, out: SchedulerOutput | None) -> None:
+    def broadcast(self, message: StepDelta | None) -> None:
+        """Send a step's delta (``None``: stop) to rank 0's stage (and, to stop, down the pipeline: a micro-batch
+        goes on with its activations, ``run_stage``)."""
         t0 = time.perf_counter()
         if self.tp.size > 1 or self.pp is None:
-            dist.broadcast_object_list([out], src=0, group=self.control)
-        if self.pp is not None and out is None:  # a micro-batch goes on with its activations (run_stage)
-            send_micro_batch(self.groups.pipeline, out)
+            dist.broadcast_object_list([message], src=0, group=self.control)
+        if self.pp is not None and message is None:
+            send_micro_batch(self.groups.pipeline, message)
         self.broadcast_seconds += time.perf_counter() - t0
 
-    def _step(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-              banned: Mapping[str, Sequence[int]], history: Mapping[str, History] | None) -> StepResult:
-        self._broadcast(out)
-        return runner.execute(out, params, banned=banned, history=history)
-
-    def _send_down(self, runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
-                   banned: Mapping[str, Sequence[int]], history: Mapping[str, History] | None
-                   ) -> Callable[[], StepResult]:
-        self._broadcast(out)
-        pipe = self.groups.pipeline
-        _, rows, prepare_time, forward_time, _ = run_stage(runner, pipe, out)
-        if self._receiver is None:
-            self._receiver = ThreadPoolExecutor(1, thread_name_prefix="sarathi-lite-logits")
-        received = self._receiver.submit(recv_logits, pipe, len(rows), runner.model.config.vocab_size)
-
-        def finish() -> StepResult:
-            busy, logits = self._guard(self._wait, received)
-            self.pending -= 1
-            self.busy = self.pending > 0
-            result = runner.sample(out, None if logits is None else logits.to(runner.device), rows, params, banned,
-                                   prepare_time, forward_time, history)
-            result.stage_busy = tuple(busy)
-            return result
-
-        return finish
-
-    def _wait(self, received: Any) -> Any:
-        """The logits receive's result; checks every 50 ms that the spawned workers live."""
-        while True:
-            try:
-                return received.result(timeout=0.05)
-            except FutureTimeout:
-                self.check_alive()
-
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(...)``, with a failure reported as the worker that caused it when one has exited."""
         try:
             return fn(*args, **kwargs)
@@ -402,7 +344,7 @@ class WorkerGroup:
         idle = self.control is not None and not self.busy and not self.failed
         if idle:
             try:
-                self._broadcast(None)
+                self.broadcast(None)
             except Exception:  # a dead worker: the terminate below handles the rest
                 logger.warning("could not tell the tensor-parallel workers to stop", exc_info=True)
         for p in self.processes:
@@ -414,7 +356,5 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
-        if self._receiver is not None:
-            self._receiver.shutdown(wait=False, cancel_futures=True)
         if dist.is_initialized():
             dist.destroy_process_group()
