@@ -13,7 +13,7 @@ from sarathi_lite.bench.replay import configurations, cost_per_token, run
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli import main
-from sarathi_lite.engine import llm_engine as engine_module
+from sarathi_lite.engine import executor as engine_module  # where the engine loads its weights
 
 ENGINE = dict(block_size=4, num_kv_blocks=512, device="cpu")
 
