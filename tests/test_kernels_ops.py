@@ -75,6 +75,27 @@ def test_rotary_embedding_equals_hugging_face_llama_rotary_bit_for_bit(kind, dty
     torch.testing.assert_close(k_out, k_hf[0].transpose(0, 1), **EXACT)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_of_q_and_k_split_from_one_fused_projection_equals_hugging_face_bit_for_bit(dtype):
+    # q and k as a model's fused QKV output gives them: adjacent views of one [N, (9 + 3 + 3) * D] tensor (the
+    # torch path then rotates them in one pass); the layers of a step share one positions tensor
+    head_dim, max_pos = 64, 2048
+    ours = RotaryEmbedding(head_dim, max_pos, 10000.0)
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, max_pos, (21,), generator=gen)
+    cos, sin = hf_rotary(head_dim, 10000.0, None, max_pos)(torch.zeros(1, dtype=dtype), positions[None])
+    for _ in range(2):
+        qkv = torch.randn(21, 15 * head_dim, generator=gen).to(dtype)
+        q, k, v = qkv.split([9 * head_dim, 3 * head_dim, 3 * head_dim], dim=-1)
+        q, k = q.reshape(21, 9, head_dim), k.reshape(21, 3, head_dim)
+        q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        q_out, k_out = ours(positions, q, k)
+        assert q_out.shape == q.shape and k_out.shape == k.shape
+        torch.testing.assert_close(q_out, q_hf[0].transpose(0, 1), **EXACT)
+        torch.testing.assert_close(k_out, k_hf[0].transpose(0, 1), **EXACT)
+        torch.testing.assert_close(v, qkv[:, 12 * head_dim:], **EXACT)  # v untouched
+
+
 def test_rotary_accepts_the_older_type_key():
     new = RotaryEmbedding(32, 128, 10000.0, {"rope_type": "linear", "factor": 2.0})
     old = RotaryEmbedding(32, 128, 10000.0, {"type": "linear", "factor": 2.0})

@@ -69,6 +69,9 @@ class RotaryEmbedding:
         self._cos = self.cos_sin_cache[:, :head_dim // 2].to(dtype)
         self._sin = self.cos_sin_cache[:, head_dim // 2:].to(dtype)
         self._checked_positions: torch.Tensor | None = None
+        # (positions, dtype, cos, sin) of the last call: a step's layers share one positions tensor, so the torch
+        # path looks its cos/sin up once per step, not once per layer
+        self._gathered: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int64 (or int32) [N], each in ``0 .. max_position - 1``; q: [N, Hq, head_dim];
@@ -95,11 +98,38 @@ class RotaryEmbedding:
             load_flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(
                 positions, q, k, self.head_dim, self.cos_sin_cache, is_neox=True)
             return q, k
-        cos = self._cos.index_select(0, positions).to(q.dtype)[:, None, :]
-        sin = self._sin.index_select(0, positions).to(q.dtype)[:, None, :]
+        cos, sin = self._cos_sin(positions, q.dtype)
+        both = _adjacent(q, k)
+        if both is not None:  # one pass over q and k together (bit for bit the same as two)
+            rotated = _rotate(both, cos, sin)
+            return rotated[:, :q.shape[1]], rotated[:, q.shape[1]:]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, 1, head_dim / 2] of ``positions`` in ``dtype``, reused while the same positions tensor
+        (the step's) comes back."""
+        cached = self._gathered
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            cos = self._cos.index_select(0, positions).to(dtype)[:, None, :]
+            sin = self._sin.index_select(0, positions).to(dtype)[:, None, :]
+            cached = self._gathered = (positions, dtype, cos, sin)
+        return cached[2], cached[3]
+
     __call__ = forward
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [N, Hq, D] and k [N, Hkv, D] as one view [N, Hq + Hkv, D] when k's heads follow q's in memory, row by row
+    (q and k split from one fused QKV projection's output), else None."""
+    if q.dtype != k.dtype or q.device != k.device or q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0]:
+        return None
+    n, hq, d = q.shape
+    if q.stride() != k.stride() or q.stride(2) != 1 or q.stride(1) != d or k.shape[2] != d:
+        return None
+    if k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr() or \
+            k.storage_offset() != q.storage_offset() + hq * d:
+        return None
+    return q.as_strided((n, hq + k.shape[1], d), q.stride())
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,12 @@ Work stays proportional to each request's own context, and grouped-query heads a
   ``[b, L, Hkv, D]`` (L = the bucket's longest context) and runs ONE ``scaled_dot_product_attention`` with the
   query viewed as ``[b, Hkv, group, D]``, i.e. the ``group`` query heads that share a KV head become rows of the
   same matrix product;
-* every other request (prefill chunks, which are few per step) runs one SDPA call over its own pages, with the
-  query rearranged to ``[Hkv, q_len * group, D]`` and a bottom-right causal mask.
+* every other request (prefill chunks, which are few per step) runs one SDPA call. A chunk with nothing cached
+  before it (a prompt's first chunk, no sliding window) attends only to its own new K/V: they are taken from the
+  step's ``k``/``v`` (no gather from the cache), its KV heads repeated per group, and SDPA's causal flag does
+  the masking (its CPU flash kernel then skips the blocks above the diagonal: half the work, no mask to read).
+  A later chunk gathers its pages, with the query rearranged to ``[Hkv, q_len * group, D]`` and a bottom-right
+  causal mask.
 
 Index tensors and masks are built in ``plan()`` once per step; the gather buffers persist across steps, since
 on CPU a fresh multi-megabyte allocation per layer costs more than the attention itself (page faults).
@@ -48,13 +52,14 @@ class _DecodeBucket:
 class _Chunk:
     """One request with ``q_len > 1`` (a prefill chunk): query rows ``start:end``, pages ``blocks`` (int64
     [num_blocks]), ``kv_len`` cached + new tokens, and ``mask``: float32 [q_len * group, kv_len] additive,
-    rows ordered (query token, head in group)."""
+    rows ordered (query token, head in group); ``None`` for a chunk with nothing cached before it and no
+    window (plain causal attention over its own new K/V, no pages read)."""
 
     start: int
     end: int
-    blocks: torch.Tensor
+    blocks: torch.Tensor | None
     kv_len: int
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 def bucket_by_length(lengths: np.ndarray, overhead: float) -> list[np.ndarray]:
@@ -148,14 +153,18 @@ class TorchPagedAttention(AttentionBackend):
         self._chunks = []
         for i in np.flatnonzero(q_lens > 1):
             q_len, kv_len = int(q_lens[i]), int(kv_lens[i])
+            start, end = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            if q_len == kv_len and (self.window_left < 0 or self.window_left >= q_len - 1):
+                self._chunks.append(_Chunk(start=start, end=end, blocks=None, kv_len=kv_len, mask=None))
+                continue
             pos = np.arange(kv_len - q_len, kv_len)[:, None]
             cols = np.arange(kv_len)[None, :]
             allowed = cols <= pos
             if self.window_left >= 0:
                 allowed &= cols >= pos - self.window_left
             self._chunks.append(_Chunk(
-                start=int(qo_indptr[i]),
-                end=int(qo_indptr[i + 1]),
+                start=start,
+                end=end,
                 blocks=torch.from_numpy(kv_indices[kv_indptr[i]:kv_indptr[i + 1]]).to(device),
                 kv_len=kv_len,
                 mask=_additive(np.repeat(allowed, self.group, axis=0), device),
@@ -183,6 +192,9 @@ class TorchPagedAttention(AttentionBackend):
                                                scale=self.scale)
             out.index_copy_(0, b.rows, o.reshape(n, hkv * g, d))
         for idx, c in enumerate(self._chunks, start=len(self._buckets)):
+            if c.mask is None:
+                out[c.start:c.end] = self._causal_chunk(q[c.start:c.end], k[c.start:c.end], v[c.start:c.end])
+                continue
             q_len = c.end - c.start
             keys, values = self._gather(kv_cache, c.blocks, None)
             keys = keys[:c.kv_len].transpose(0, 1).unsqueeze(0)
@@ -192,6 +204,16 @@ class TorchPagedAttention(AttentionBackend):
                                                scale=self.scale)
             out[c.start:c.end] = o.view(hkv, q_len, g, d).permute(1, 0, 2, 3).reshape(q_len, hkv * g, d)
         return out
+
+    def _causal_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk over its own new tokens: q [L, Hq, D], k and v [L, Hkv, D] -> [L, Hq, D].
+        Each KV head is repeated for its group's query heads (a copy of L rows: small beside the attention)."""
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        if self.group > 1:
+            keys, values = keys.repeat_interleave(self.group, 0), values.repeat_interleave(self.group, 0)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                           is_causal=True, scale=self.scale)
+        return o[0].transpose(0, 1)
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, pad_rows: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
