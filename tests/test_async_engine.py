@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from sarathi_lite import LLM, LLMEngine, SamplingParams
-from sarathi_lite.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from sarathi_lite.engine.async_engine import AsyncLLMEngine
+from sarathi_lite.engine.errors import EngineDeadError
 
 PROMPTS = [[5, 6, 7] * 10, [9, 10], [11, 12] * 7, [40] * 3]
 

@@ -30,7 +30,7 @@ from sarathi_lite.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "RequestStream"]
 
 IDLE_HEALTH_CHECK_S = 1.0  # how often an idle engine loop calls the engine's check_health (seconds)
 

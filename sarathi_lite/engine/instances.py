@@ -58,7 +58,7 @@ from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.prompts import check_token_ids
 from sarathi_lite.engine.sampling_params import SamplingParams, check_text
 from sarathi_lite.engine.snapshot import EngineSnapshot
-from sarathi_lite.engine.worker import _EXIT_WAIT, _SHUTDOWN_GRACE, _free_port
+from sarathi_lite.engine.worker import _EXIT_WAIT, _SHUTDOWN_GRACE, _free_port, stop_process
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
@@ -243,12 +243,7 @@ def _stop(processes: list[tuple[Any, Any]]) -> None:
     for process, _ in processes:
         process.join(max(deadline - time.monotonic(), 0.1))
     for process, conn in processes:
-        if process.is_alive():
-            process.terminate()
-            process.join(_SHUTDOWN_GRACE)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        stop_process(process)
         conn.close()
 
 

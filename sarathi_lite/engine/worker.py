@@ -56,6 +56,17 @@ _SHUTDOWN_GRACE = 5.0  # seconds a worker gets to leave by itself before it is t
 _EXIT_WAIT = 5.0  # seconds a failure path waits for a dead worker's exit code, to name it
 
 
+def stop_process(process: Any, grace: float = _SHUTDOWN_GRACE) -> None:
+    """End a child process that did not leave by itself: terminate it, wait ``grace`` seconds, then kill it
+    (nothing if it has already exited)."""
+    if process.is_alive():
+        process.terminate()
+        process.join(grace)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
 @dataclass(slots=True)
 class RankSetup:
     """What every rank needs to build its shard and KV pool: the engine's options, the resolved checkpoint
@@ -350,11 +361,6 @@ class WorkerGroup:
         for p in self.processes:
             p.join(_SHUTDOWN_GRACE if idle else 0.1)
         for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(_SHUTDOWN_GRACE)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            stop_process(p)
         if dist.is_initialized():
             dist.destroy_process_group()
