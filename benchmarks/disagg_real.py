@@ -39,7 +39,7 @@ from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
 from sarathi_lite.engine.instances import ProcessEngine
-from sarathi_lite.metrics import RequestMetrics, Stats
+from sarathi_lite.metrics import RequestMetrics, Stats, slo_arrays
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
 from sarathi_lite.sim.disagg import Deployment, Link, simulate
@@ -84,8 +84,7 @@ def replay(engine: ProcessEngine, wl: Workload, prompts: list[list[int]]) -> tup
 def cells(requests: list[RequestMetrics], summary: dict[str, Any], transfers: list[float],
           ttft_slo: float, tbt_slo: float) -> dict[str, float | None]:
     done = [r for r in requests if r.finished_time is not None and r.ttft is not None]
-    ttft = np.array([r.ttft for r in done])
-    tbt = np.array([float(np.percentile(r.tbt, 99)) if len(r.token_times) > 1 else 0.0 for r in done])
+    ttft, tbt = slo_arrays(done)
     return {"ttft_p50": summary["ttft_p50"], "ttft_p99": summary["ttft_p99"], "tbt_p50": summary["tbt_p50"],
             "tbt_p99": summary["tbt_p99"],
             "transfer_p50": float(np.percentile(transfers, 50)) if transfers else None,

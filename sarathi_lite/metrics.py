@@ -15,6 +15,7 @@ Definitions (following Sarathi-Serve), all times in seconds on one clock:
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -132,6 +133,21 @@ class IterationRecord:
         d.pop("batch")
         d["step_time"] = self.step_time
         return d
+
+
+def slo_arrays(requests: Sequence[RequestMetrics]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ttft, tbt_p99)`` per request, the two numbers a request's SLOs judge (seconds; TTFT ``inf`` for an
+    unfinished request, TBT 0 for a request of one token)."""
+    ttft = np.array([r.ttft if r.ttft is not None and r.finished_time is not None else math.inf for r in requests])
+    tbt = np.array([float(np.percentile(r.tbt, 99)) if len(r.token_times) > 1 else 0.0 for r in requests])
+    return ttft, tbt
+
+
+def slo_attainment(requests: Sequence[RequestMetrics], ttft: float, tbt: float) -> float:
+    """Share of ``requests`` meeting both SLOs: TTFT at most ``ttft`` and their own P99 time between tokens at
+    most ``tbt`` (seconds); 0 for no requests."""
+    t, b = slo_arrays(requests)
+    return float(np.mean((t <= ttft) & (b <= tbt))) if t.size else 0.0
 
 
 def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]:

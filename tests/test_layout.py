@@ -32,7 +32,7 @@ ALLOWED = {
     "bench": {"scheduler", "metrics", "engine"},
     "sim": {"scheduler", "metrics", "models", "engine", "bench", "costs"},
     "server": {"engine"},
-    "plan": {"bench", "costs", "engine", "sim"},
+    "plan": {"scheduler", "metrics", "bench", "costs", "engine", "sim"},
     "integrations": {"scheduler", "costs"},
     "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server", "costs", "plan"},
     "__main__": {"cli"},
@@ -53,6 +53,9 @@ FUNCTION_IMPORTS = (
      "the tokenizer: transformers loads only for a checkpoint that ships one"),
     ("sarathi_lite.models.builtin", ("torch", "safetensors", "transformers"),
      "the built-in model's one-time GGUF conversion: resolving a model name stays torch-free"),
+    ("sarathi_lite.plan.real", ("sarathi_lite.engine.instances", "sarathi_lite.bench.replay",
+                                "sarathi_lite.models.config"),
+     "the planner's real runs load the engine (torch) only when asked for: planning stays torch-free"),
     ("sarathi_lite.server", ("sarathi_lite.server.app", "uvicorn", "h11"),
      "the server package's limits and flags import without FastAPI; the app and uvicorn's protocol load on use"),
 )
@@ -64,7 +67,7 @@ TORCH_FREE = ("sarathi_lite", "sarathi_lite.scheduler", "sarathi_lite.metrics", 
               "sarathi_lite.costs.profiled", "sarathi_lite.costs.roofline", "sarathi_lite.costs.spec",
               "sarathi_lite.costs.calibrated", "sarathi_lite.costs.pipeline", "sarathi_lite.sim.gpu_fit",
               "sarathi_lite.sim.simulator", "sarathi_lite.sim.cost_model",
-              "sarathi_lite.cli", "sarathi_lite.plan")
+              "sarathi_lite.cli", "sarathi_lite.plan", "sarathi_lite.plan.real")
 
 
 def _modules() -> dict[str, Path]:

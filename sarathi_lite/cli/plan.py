@@ -4,6 +4,12 @@ xPyD split and its conditional variant, tensor and pipeline degrees that fit; a 
 that run each, the commands of the best, and optionally a figure and the JSON.
 
     sarathi-lite plan --model llama3-8b --gpu h100 --gpus 4 --trace conversation --ttft 1 --tbt 0.05
+
+On this machine, priced by its own measured profile, then the top two run for real (instance processes):
+
+    sarathi-lite plan --model smollm2-135m --gpu cpu --gpus 2 --profile benchmarks/results/sim_profile_smollm2.json \
+        --length-scale 0.25 --max-prompt 1024 --max-output 128 --start 1000 --ttft 5 --tbt 1.065 \
+        --chunk-sizes 128,256,512,auto --prefill-chunk 512 --decode-chunk 256 --threshold 128 --real 2
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.plan import CHUNK_SIZES, Setup, commands, plan, plot, table
+from sarathi_lite.plan.real import confirm
 from sarathi_lite.plan.space import parse_chunk_sizes
 from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS
 from sarathi_lite.sim.sweeps import BACKENDS
@@ -24,7 +31,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     setup = Setup(args.model, args.gpu, args.gpus, args.ttft, args.tbt, args.attainment,
                   chunk_sizes=parse_chunk_sizes(args.chunk_sizes), prefill_chunk=args.prefill_chunk,
                   decode_chunk=args.decode_chunk, threshold=args.threshold if args.threshold >= 0 else None,
-                  link=args.link, max_degree=args.max_degree, checkpoint=args.checkpoint)
+                  link=args.link, max_degree=args.max_degree, checkpoint=args.checkpoint, profile=args.profile)
     workload = _workload(args)
     result = plan(setup, workload, min_requests=args.requests, max_requests=args.max_requests,
                   fine_probes=args.fine_probes, backend=args.backend, workers=args.workers, address=args.address,
@@ -33,9 +40,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("\nTop entries:\n" + commands(result, top=min(3, len(result.entries))))
     if args.plot:
         print(f"plot: {plot(result, args.plot, top=args.top or 20)}")
+    out = result.to_dict()
+    if args.real:
+        real = confirm(result, workload, top=args.real, num_requests=args.real_requests,
+                       threads=args.real_threads, progress=not args.no_progress)
+        print("\nReal runs on this machine:\n" + real.table())
+        out["real"] = real.to_dict()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")
     return 0
 
@@ -48,6 +61,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         return Workload.synthetic(args.lengths, num_requests=args.max_requests, qps=1.0,
                                   max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
     return Workload.from_trace(args.trace, num_requests=args.max_requests, start=args.start, qps=1.0,
+                               prompt_scale=args.length_scale, output_scale=args.length_scale,
                                max_prompt=args.max_prompt, max_output=args.max_output, seed=args.seed)
 
 
@@ -67,6 +81,8 @@ def add_plan_parser(sub: Any) -> None:
     g.add_argument("--trace", default="conversation", help="a built-in trace (conversation, arxiv) or a CSV path")
     g.add_argument("--lengths", default=None, help="synthetic lengths instead of a trace (as sarathi-lite sim)")
     g.add_argument("--start", type=int, default=0, help="first trace row")
+    g.add_argument("--length-scale", type=float, default=1.0,
+                   help="scale the trace's prompt and output lengths (the CPU studies' 0.25)")
     g.add_argument("--max-prompt", type=int, default=7000, help="clip prompts (tokens; the study's 7,000)")
     g.add_argument("--max-output", type=int, default=1000, help="clip outputs (tokens; the study's 1,000)")
     g.add_argument("--seed", type=int, default=0)
@@ -75,6 +91,9 @@ def add_plan_parser(sub: Any) -> None:
                    help="colocated chunk sizes, comma-separated, 'auto' included (default %(default)s)")
     g.add_argument("--prefill-chunk", type=int, default=2048, help="prefill instances' chunk size")
     g.add_argument("--decode-chunk", type=int, default=512, help="decode instances' chunk size")
+    g.add_argument("--profile", default=None,
+                   help="price every instance with this measured profile (`sarathi-lite profile` JSON) instead of "
+                        "the --gpu preset, which is then a label (e.g. cpu)")
     g.add_argument("--threshold", type=int, default=512,
                    help="conditional variants: prompt tokens prefilled on a decode instance (-1: none)")
     g.add_argument("--link", default="infiniband", choices=list(LINKS), help="KV transfer link")
@@ -85,6 +104,12 @@ def add_plan_parser(sub: Any) -> None:
     g.add_argument("--backend", default=None, choices=BACKENDS, help="sweep backend (default: process pool)")
     g.add_argument("--workers", type=int, default=None, help="processes (default: the CPU count)")
     g.add_argument("--address", default=None, help="a Ray cluster's address (selects the ray backend)")
+    g = p.add_argument_group("real runs (a plan made with --profile of this machine)")
+    g.add_argument("--real", type=int, default=0, metavar="N",
+                   help="run the top N entries here (instance processes on the CPU) at each one's planned goodput "
+                        "and check they rank as planned (0: no real runs)")
+    g.add_argument("--real-requests", type=int, default=60, help="requests per real run (default 60)")
+    g.add_argument("--real-threads", type=int, default=1, help="torch threads per instance (default 1)")
     g = p.add_argument_group("output")
     g.add_argument("--checkpoint", default=None, help="the model the printed commands name (default: --model)")
     g.add_argument("--top", type=int, default=None, help="rows of the table (default: all)")

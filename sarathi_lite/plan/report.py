@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from sarathi_lite.plan.search import Entry, Plan
-from sarathi_lite.plan.space import llm_text
+from sarathi_lite.plan.space import Setup, llm_text
 
 
 def _rate(entry: Entry) -> str:
@@ -20,11 +20,17 @@ def _rate(entry: Entry) -> str:
     return f"{held / entry.num_gpus:.2f}-{failing / entry.num_gpus:.2f}"
 
 
+def _pricing(setup: Setup) -> str:
+    if setup.profile is not None:
+        return f"measured profile {Path(setup.profile).name}"
+    return "calibrated" if setup.calibrated else "analytic roofline"
+
+
 def table(result: Plan, top: int | None = None) -> str:
     """The ranking as a markdown table: rank, configuration, GPUs, goodput per GPU (requests/s), the bracket the
     probes left (per GPU), what limits it, whether it was refined, and the ``serve`` arguments."""
     s = result.setup
-    lines = [f"Plan: {s.model} on {s.gpus} x {s.gpu} ({'calibrated' if s.calibrated else 'analytic roofline'}), "
+    lines = [f"Plan: {s.model} on {s.gpus} x {s.gpu} ({_pricing(s)}), "
              f"SLOs TTFT {s.ttft:g} s and P99 TBT {s.tbt * 1000:g} ms for {s.attainment:.0%} of requests; "
              f"{result.workload}; {len(result.entries)} candidates, {result.num_probes} probes, "
              f"{result.wall_time:.0f} s", "",

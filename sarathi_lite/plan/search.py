@@ -84,7 +84,7 @@ def run_probe(setup: Setup, cand: Candidate, workload: Workload, rate: float, li
     single-instance simulator (which pipelines micro-batches), everything else on ``sim.disagg``."""
     wl = probe_workload(workload, rate, *limits)
     if cand.pp > 1:
-        cm = cost_model(setup.model, setup.gpu, cand.tp, cand.pp)
+        cm = cost_model(setup.model, setup.gpu, cand.tp, cand.pp, setup.profile)
         config = scheduler_config(cm, "sarathi", cand.chunk_size, **scheduler_options(setup, cand.chunk_size))
         one = simulate_one(wl, cm, config, chunk_size=cand.chunk_size)
         result = DisaggResult(cand.label, cand.num_gpus, wl, one.stats.requests, {}, [], {})

@@ -22,13 +22,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.costs import CostModel, roofline
+from sarathi_lite.costs import CostModel, load_cost_model, roofline
 from sarathi_lite.costs.calibrated import CALIBRATED_HARDWARE, calibrated
 from sarathi_lite.costs.roofline import hardware, model_shape
 from sarathi_lite.engine.config import OPTIONS, parse_chunk_size
+from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS, Deployment
 
 CHUNK_SIZES: tuple[int | str, ...] = (256, 512, 1024, 2048, "auto")
@@ -36,6 +38,8 @@ SIM_OPTIONS = {"enable_prefix_caching": False, "max_num_seqs": 512}
 """Every instance's scheduler options, as the study's: the traces share no prefix, and seats never bind."""
 AUTO_PERCENTILE = 99.0
 """``chunk_size="auto"`` aims at this percentile of time between tokens (``tbt_percentile``)."""
+PROFILE_DECODE_BATCH = 8
+"""Decodes per step ``start_rate`` assumes when a measured profile prices the instances."""
 LLAMA3_8B_BYTES = 16.06e9
 """Llama-3-8B's weights in bf16 (bytes), the reference of ``start_rate``."""
 
@@ -61,6 +65,7 @@ class Setup:
     link: str = "infiniband"
     max_degree: int | None = None
     checkpoint: str | None = None
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
@@ -80,13 +85,16 @@ class Setup:
                 raise ValueError(f"chunk size {c!r} is neither a positive token count nor 'auto'")
         if self.max_degree is not None and self.max_degree < 1:
             raise ValueError(f"max_degree={self.max_degree!r} must be >= 1")
-        hardware(self.gpu)  # an unknown preset: the error names it and the presets
+        if self.profile is None:
+            hardware(self.gpu)  # an unknown preset: the error names it and the presets
+        elif not Path(self.profile).is_file():
+            raise ValueError(f"profile={self.profile!r} is not a file (a `sarathi-lite profile` JSON)")
         model_shape(self.model)  # an unknown model: the error names it and the presets
 
     @property
     def calibrated(self) -> bool:
         """Whether steps are priced on measured GPU timings (else the analytic roofline)."""
-        return self.gpu.lower() in CALIBRATED_HARDWARE
+        return self.profile is None and self.gpu.lower() in CALIBRATED_HARDWARE
 
 
 @dataclass(frozen=True)
@@ -139,17 +147,25 @@ def _powers_of_two(top: int) -> list[int]:
 
 
 @lru_cache(maxsize=64)
-def cost_model(model: str, gpu: str, tp: int = 1, pp: int = 1) -> CostModel:
-    """The cost model of one instance: calibrated on measured timings where the preset has them, else the
-    analytic roofline. Raises ``ValueError`` when the model does not fit (no memory left for a KV pool, heads
-    or layers that do not split)."""
+def cost_model(model: str, gpu: str, tp: int = 1, pp: int = 1, profile: str | None = None) -> CostModel:
+    """The cost model of one instance: the measured ``profile`` when given (degree 1 only), else calibrated on
+    measured timings where the preset has them, else the analytic roofline. Raises ``ValueError`` when the model
+    does not fit (no memory left for a KV pool, heads or layers that do not split)."""
+    if profile is not None:
+        if tp * pp > 1:
+            raise ValueError(f"a measured profile prices one instance on one device: tensor x pipeline degree "
+                             f"{tp * pp} is not in it")
+        return load_cost_model(profile)
     if gpu.lower() in CALIBRATED_HARDWARE:
         return calibrated(gpu.lower(), model, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     return roofline(gpu.lower(), model, tensor_parallel_size=tp, pipeline_parallel_size=pp)
 
 
 def cost_spec(setup: Setup, tp: int) -> str:
-    """The ``cost_model`` text (``roofline:2xh100:llama3-8b``) the engine's ``auto`` budget loads for it."""
+    """The ``cost_model`` text (``roofline:2xh100:llama3-8b``, or the profile's path) the engine's ``auto`` budget
+    loads for it."""
+    if setup.profile is not None:
+        return setup.profile
     return f"roofline:{f'{tp}x' if tp > 1 else ''}{setup.gpu.lower()}:{setup.model}"
 
 
@@ -164,7 +180,7 @@ def space(setup: Setup) -> Space:
             if n < 1 or (pp > 1 and n != 1):
                 continue
             try:
-                cost_model(setup.model, setup.gpu, tp, pp)
+                cost_model(setup.model, setup.gpu, tp, pp, setup.profile)
             except ValueError as e:
                 out.skipped.append((f"tp{tp} pp{pp}", str(e)))
                 continue
@@ -197,7 +213,7 @@ def scheduler_options(setup: Setup, chunk: int | str) -> dict[str, Any]:
 
 def deployment(setup: Setup, cand: Candidate) -> Deployment:
     """The simulated deployment of ``cand`` (``sim.disagg``)."""
-    cm = cost_model(setup.model, setup.gpu, cand.tp, cand.pp)
+    cm = cost_model(setup.model, setup.gpu, cand.tp, cand.pp, setup.profile)
     if cand.colocated:
         return Deployment.parse(cand.layout, cm, chunk_size=cand.chunk_size,
                                 options=scheduler_options(setup, cand.chunk_size))
@@ -209,12 +225,34 @@ def deployment(setup: Setup, cand: Candidate) -> Deployment:
 def start_rate(setup: Setup, workload: Workload) -> float:
     """Where a candidate's rate search starts (requests/s per GPU, on the grid ``2 ** (k / 2)``): the study's 2
     for Llama-3-8B on the conversation trace (1,324 tokens a request), scaled by the model's weights and the
-    requests' mean tokens."""
+    requests' mean tokens. With a measured ``profile``: half of what one instance would serve if every prompt
+    were prefilled alone and every output decoded in batches of ``PROFILE_DECODE_BATCH``."""
+    if setup.profile is not None:
+        return _snap(0.5 / _seconds_per_request(cost_model(setup.model, setup.gpu, 1, 1, setup.profile), workload))
     _, m = model_shape(setup.model)
     weights = 2 * (m.num_layers * m.layer_weights(1) + m.lm_head_weights(1))
     tokens = sum(r.prompt_len + r.output_len for r in workload.requests) / max(len(workload.requests), 1)
     guess = 2.0 * (LLAMA3_8B_BYTES / weights) * (1324.0 / max(tokens, 1.0))
-    return 2.0 ** (math.floor(2 * math.log2(guess) + 1e-6) / 2)
+    return _snap(guess)
+
+
+def _snap(rate: float) -> float:
+    """The grid point ``2 ** (k / 2)`` at or below ``rate``."""
+    return 2.0 ** (math.floor(2 * math.log2(rate) + 1e-6) / 2)
+
+
+def _seconds_per_request(cm: CostModel, workload: Workload) -> float:
+    """Predicted busy seconds of one instance per request of ``workload``: its mean prompt in one step, and its
+    mean output in decode steps of ``PROFILE_DECODE_BATCH`` requests at that context."""
+    n = max(len(workload.requests), 1)
+    prompt = max(1, round(sum(r.prompt_len for r in workload.requests) / n))
+    output = sum(r.output_len for r in workload.requests) / n
+    prefill = ScheduledRequest("p", 0, prompt, [0] * prompt, [], True, True)
+    decodes = [ScheduledRequest(f"d{i}", prompt, 1, [0], [], True, False) for i in range(PROFILE_DECODE_BATCH)]
+    prefill_time = cm.predict_step_time(SchedulerOutput([prefill], num_prefill_tokens=prompt, num_prefills=1))
+    decode_time = cm.predict_step_time(SchedulerOutput(decodes, num_decode_tokens=len(decodes),
+                                                       num_decodes=len(decodes)))
+    return prefill_time + output * decode_time / PROFILE_DECODE_BATCH
 
 
 # ---------------------------------------------------------------------- how to run it for real

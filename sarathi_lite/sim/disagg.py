@@ -45,7 +45,6 @@ it. With one colocated replica the simulation is exactly ``simulator.simulate``'
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -56,7 +55,7 @@ import numpy as np
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.costs import CostModel
-from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles
+from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles, slo_arrays
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
 from sarathi_lite.scheduler.kv_transfer import KVSave
@@ -316,11 +315,7 @@ class DisaggResult:
     def per_request(self) -> tuple[np.ndarray, np.ndarray]:
         """``(ttft, tbt_p99)`` per request (seconds; ``inf`` for an unfinished request, TBT 0 for one token)."""
         if self._arrays is None:
-            ttft = np.array([r.ttft if r.ttft is not None and r.finished_time is not None else math.inf
-                             for r in self.requests])
-            tbt = np.array([float(np.percentile(r.tbt, 99)) if len(r.token_times) > 1 else 0.0
-                            for r in self.requests])
-            self._arrays = (ttft, tbt)
+            self._arrays = slo_arrays(self.requests)
         return self._arrays
 
     def slo_attainment(self, ttft: float, tbt: float) -> float:
