@@ -168,3 +168,43 @@ def test_run_tasks_runs_any_function_on_the_process_pool():
     assert sorted(run_tasks(abs, [-3, -1, 2], backend="process", workers=2)) == [1, 2, 3]
     with pytest.raises(ValueError, match="backend='threads'"):
         list(run_tasks(abs, [1], backend="threads"))
+
+
+def test_plan_slos_gives_each_pairs_plan_and_simulates_a_shared_rate_once(monkeypatch):
+    from sarathi_lite.plan import plan_slos, search
+
+    setup = Setup("llama3-8b", "h100", 2, ttft=0.25, tbt=0.025, chunk_sizes=(512, 2048), max_degree=1)
+    wl = Workload.from_trace("conversation", num_requests=TINY, qps=1.0, max_prompt=2000, max_output=64)
+    slos = [(0.25, 0.025), (1.0, 0.1), (0.5, 0.05)]
+    calls = []
+    real = search._simulate
+    monkeypatch.setattr(search, "_simulate", lambda *a: calls.append(a) or real(*a))
+    one_by_one = [plan(Setup(setup.model, setup.gpu, 2, t, b, chunk_sizes=(512, 2048), max_degree=1), wl,
+                       min_requests=TINY, max_requests=TINY, fine_probes=2, backend="serial", progress=False)
+                  for t, b in slos]
+    alone = len(calls)
+    calls.clear()
+    together = plan_slos(setup, wl, slos, min_requests=TINY, max_requests=TINY, fine_probes=2, backend="serial",
+                         progress=False)
+    for a, b in zip(one_by_one, together):
+        assert (b.setup.ttft, b.setup.tbt) == (a.setup.ttft, a.setup.tbt)
+        assert [(e.label, e.goodput, e.probes) for e in b.entries] == [(e.label, e.goodput, e.probes)
+                                                                        for e in a.entries]
+    assert len(calls) < alone  # the pairs share the coarse grid's simulations
+    with pytest.raises(ValueError, match="slos is empty"):
+        plan_slos(setup, wl, [])
+
+
+def test_cli_plan_judges_several_slo_pairs_in_one_search(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--chunk-sizes", "512,2048",
+            "--max-degree", "1", "--requests", str(TINY), "--max-requests", str(TINY), "--backend", "serial",
+            "--no-progress", "--top", "3"]
+    assert main([*args, "--slo", "0.25,0.025", "--slo", "1,0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "SLOs TTFT 0.25 s and P99 TBT 25 ms" in out and "SLOs TTFT 1 s and P99 TBT 100 ms" in out
+    assert "Best per SLO pair:" in out and "| 0.25 s | 25 ms |" in out and "| 1 s | 100 ms |" in out
+    with pytest.raises(SystemExit):
+        main([*args, "--slo", "fast"])
+    assert "--slo 'fast': expected TTFT,TBT" in capsys.readouterr().err
+    assert main(args) == 2
+    assert "give --ttft and --tbt, or one --slo" in capsys.readouterr().err

@@ -20,27 +20,36 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.plan import CHUNK_SIZES, Setup, commands, plan, plot, table
+from sarathi_lite.plan import CHUNK_SIZES, Setup, commands, plan_slos, plot, table
 from sarathi_lite.plan.real import confirm
+from sarathi_lite.plan.report import summary
 from sarathi_lite.plan.space import parse_chunk_sizes
 from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS
 from sarathi_lite.sim.sweeps import BACKENDS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    setup = Setup(args.model, args.gpu, args.gpus, args.ttft, args.tbt, args.attainment,
+    slos = args.slo or [(args.ttft, args.tbt)]
+    if any(x is None for pair in slos for x in pair):
+        raise ValueError("give --ttft and --tbt, or one --slo TTFT,TBT per SLO pair")
+    setup = Setup(args.model, args.gpu, args.gpus, *slos[0], args.attainment,
                   chunk_sizes=parse_chunk_sizes(args.chunk_sizes), prefill_chunk=args.prefill_chunk,
                   decode_chunk=args.decode_chunk, threshold=args.threshold if args.threshold >= 0 else None,
                   link=args.link, max_degree=args.max_degree, checkpoint=args.checkpoint, profile=args.profile)
     workload = _workload(args)
-    result = plan(setup, workload, min_requests=args.requests, max_requests=args.max_requests,
-                  fine_probes=args.fine_probes, backend=args.backend, workers=args.workers, address=args.address,
-                  progress=not args.no_progress)
-    print(table(result, top=args.top))
-    print("\nTop entries:\n" + commands(result, top=min(3, len(result.entries))))
+    results = plan_slos(setup, workload, slos, min_requests=args.requests, max_requests=args.max_requests,
+                        fine_probes=args.fine_probes, backend=args.backend, workers=args.workers,
+                        address=args.address, progress=not args.no_progress)
+    for result in results:
+        print(table(result, top=args.top) + "\n")
+    if len(results) > 1:
+        print("Best per SLO pair:\n" + summary(results) + "\n")
+    result = results[0]
+    print("Top entries" + (f" (TTFT {setup.ttft:g} s, TBT {setup.tbt:g} s)" if len(results) > 1 else "") + ":\n"
+          + commands(result, top=min(3, len(result.entries))))
     if args.plot:
         print(f"plot: {plot(result, args.plot, top=args.top or 20)}")
-    out = result.to_dict()
+    out: dict[str, Any] = result.to_dict() if len(results) == 1 else {"plans": [r.to_dict() for r in results]}
     if args.real:
         real = confirm(result, workload, top=args.real, num_requests=args.real_requests,
                        threads=args.real_threads, progress=not args.no_progress)
@@ -51,6 +60,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")
     return 0
+
+
+def _slo(text: str) -> tuple[float, float]:
+    """``"1,0.05"`` -> ``(1.0, 0.05)`` (TTFT, P99 TBT; seconds)."""
+    try:
+        ttft, tbt = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slo {text!r}: expected TTFT,TBT in seconds, e.g. 1,0.05") from None
+    return ttft, tbt
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -73,8 +91,12 @@ def add_plan_parser(sub: Any) -> None:
                                                    "config.json / checkpoint folder")
     p.add_argument("--gpu", required=True, help="a hardware preset (h100, a100-80gb, h200)")
     p.add_argument("--gpus", type=int, required=True, help="how many GPUs")
-    p.add_argument("--ttft", type=float, required=True, help="TTFT SLO (seconds)")
-    p.add_argument("--tbt", type=float, required=True, help="per-request P99 time-between-tokens SLO (seconds)")
+    p.add_argument("--ttft", type=float, default=None, help="TTFT SLO (seconds)")
+    p.add_argument("--tbt", type=float, default=None, help="per-request P99 time-between-tokens SLO (seconds)")
+    p.add_argument("--slo", type=_slo, action="append", default=None, metavar="TTFT,TBT",
+                   help="an SLO pair (seconds; repeat for several): one search judges every pair, a table for each "
+                        "and the best per pair (instead of --ttft/--tbt; the commands, --plot and --real use the "
+                        "first pair)")
     p.add_argument("--attainment", type=float, default=DEFAULT_ATTAINMENT,
                    help=f"share of requests that must meet both SLOs (default {DEFAULT_ATTAINMENT})")
     g = p.add_argument_group("workload (lengths and order; the search sets the rates)")

@@ -17,8 +17,8 @@ Torch-free (the simulator's imports only); tqdm draws the progress bars, matplot
 """
 
 from sarathi_lite.plan.report import commands, plot, table
-from sarathi_lite.plan.search import Entry, Plan, Probe, plan, probe_workload
+from sarathi_lite.plan.search import Entry, Plan, Probe, plan, plan_slos, probe_workload
 from sarathi_lite.plan.space import CHUNK_SIZES, Candidate, Setup, launch, space
 
-__all__ = ["CHUNK_SIZES", "Candidate", "Entry", "Plan", "Probe", "Setup", "commands", "launch", "plan", "plot",
-           "probe_workload", "space", "table"]
+__all__ = ["CHUNK_SIZES", "Candidate", "Entry", "Plan", "Probe", "Setup", "commands", "launch", "plan", "plan_slos",
+           "plot", "probe_workload", "space", "table"]

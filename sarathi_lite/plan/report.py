@@ -48,6 +48,30 @@ def table(result: Plan, top: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def kind(entry: Entry) -> str:
+    """The organization of ``entry``: ``colocated``, ``disaggregated`` or ``conditional``."""
+    c = entry.candidate
+    return "colocated" if c.colocated else ("conditional" if c.threshold is not None else "disaggregated")
+
+
+def summary(results: list[Plan]) -> str:
+    """One row per SLO pair (``plan_slos``): the best entry, and the best of each organization with its goodput
+    per GPU as a ratio to the best."""
+    kinds = sorted({kind(e) for r in results for e in r.entries})
+    lines = ["| TTFT SLO | P99 TBT SLO | best | goodput req/s/GPU | " + " | ".join(f"best {k}" for k in kinds) + " |",
+             "|---" * (4 + len(kinds)) + "|"]
+    for r in results:
+        best = r.best
+        cells = []
+        for k in kinds:
+            top = next((e for e in r.entries if kind(e) == k), None)
+            ratio = "" if top is None or not best.goodput else f" ({top.goodput / best.goodput:.2f}x)"
+            cells.append("-" if top is None else f"{top.label} {top.goodput:.2f}{ratio}")
+        lines.append(f"| {r.setup.ttft:g} s | {r.setup.tbt * 1000:g} ms | {best.label} | {best.goodput:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def commands(result: Plan, top: int = 3) -> str:
     """The ``LLM(...)`` call and the ``serve`` command of the ``top`` entries."""
     out = []
@@ -72,15 +96,14 @@ def plot(result: Plan, path: str | Path, top: int | None = 20) -> Path:
     colors = {"colocated": "tab:blue", "disaggregated": "tab:orange", "conditional": "tab:green"}
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(entries) + 1.5))
     for y, e in enumerate(reversed(entries)):
-        kind = "colocated" if e.candidate.colocated else ("conditional" if e.candidate.threshold is not None
-                                                          else "disaggregated")
+        org = kind(e)
         held, failing = e.bracket()
         err = None
         if held is not None and failing is not None:
             g = e.goodput
             err = [[g - held / e.num_gpus], [failing / e.num_gpus - g]]
-        ax.barh(y, e.goodput, color=colors[kind], xerr=err, capsize=2,
-                label=kind if kind not in ax.get_legend_handles_labels()[1] else None)
+        ax.barh(y, e.goodput, color=colors[org], xerr=err, capsize=2,
+                label=org if org not in ax.get_legend_handles_labels()[1] else None)
     ax.set_yticks(range(len(entries)), [e.label for e in reversed(entries)], fontsize=8)
     s = result.setup
     ax.set_xlabel("goodput per GPU (requests/s)")

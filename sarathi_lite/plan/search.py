@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -63,13 +64,30 @@ class Probe:
 
 @dataclass(frozen=True)
 class _Task:
-    setup: Setup
+    """One candidate's search under every setup of ``setups`` (the same deployment space, each its own SLOs):
+    a probe's simulation is run once and judged under each (``_Probes``)."""
+
+    setups: tuple[Setup, ...]
     candidate: Candidate
     workload: Workload
     limits: tuple[int, int]
     start: float = 0.0  # coarse: the first rate per GPU
-    bracket: tuple[float, float] | None = None  # fine: (holding, failing) rates over the deployment
+    brackets: tuple[tuple[float, float] | None, ...] = ()  # fine, per setup: (holding, failing) rates, or None
     num_probes: int = 0
+
+
+class _Probes:
+    """The simulations of one candidate, each run once (by rate) and judged under any setup's SLOs."""
+
+    def __init__(self, task: _Task) -> None:
+        self.task = task
+        self._runs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+
+    def at(self, setup: Setup, rate: float) -> Probe:
+        if rate not in self._runs:
+            result = _simulate(setup, self.task.candidate, self.task.workload, rate, self.task.limits)
+            self._runs[rate] = result.per_request()
+        return judge(setup, rate, *self._runs[rate])
 
 
 def probe_workload(workload: Workload, qps: float, min_requests: int, max_requests: int) -> Workload:
@@ -80,53 +98,69 @@ def probe_workload(workload: Workload, qps: float, min_requests: int, max_reques
 
 
 def run_probe(setup: Setup, cand: Candidate, workload: Workload, rate: float, limits: tuple[int, int]) -> Probe:
-    """Simulate ``cand`` at ``rate`` requests/s (the whole deployment's). A pipelined instance runs on the
-    single-instance simulator (which pipelines micro-batches), everything else on ``sim.disagg``."""
+    """Simulate ``cand`` at ``rate`` requests/s (the whole deployment's) and judge it by ``setup``'s SLOs."""
+    return judge(setup, rate, *_simulate(setup, cand, workload, rate, limits).per_request())
+
+
+def judge(setup: Setup, rate: float, ttft: np.ndarray, tbt: np.ndarray) -> Probe:
+    """The probe at ``rate`` whose requests had ``ttft`` and P99 ``tbt`` (``DisaggResult.per_request``), by
+    ``setup``'s SLOs."""
+    met_ttft, met_tbt = ttft <= setup.ttft, tbt <= setup.tbt
+    return Probe(rate, float(np.mean(met_ttft & met_tbt)) if ttft.size else 0.0, float(np.mean(met_ttft)),
+                 float(np.mean(met_tbt)), int(ttft.size))
+
+
+def _simulate(setup: Setup, cand: Candidate, workload: Workload, rate: float, limits: tuple[int, int]
+              ) -> DisaggResult:
+    """``cand`` at ``rate``: a pipelined instance on the single-instance simulator (which pipelines
+    micro-batches), everything else on ``sim.disagg``."""
     wl = probe_workload(workload, rate, *limits)
     if cand.pp > 1:
         cm = cost_model(setup.model, setup.gpu, cand.tp, cand.pp, setup.profile)
         config = scheduler_config(cm, "sarathi", cand.chunk_size, **scheduler_options(setup, cand.chunk_size))
         one = simulate_one(wl, cm, config, chunk_size=cand.chunk_size)
-        result = DisaggResult(cand.label, cand.num_gpus, wl, one.stats.requests, {}, [], {})
-    else:
-        result = simulate(deployment(setup, cand), wl)
-    ttft, tbt = result.per_request()
-    return Probe(rate, result.slo_attainment(setup.ttft, setup.tbt), float(np.mean(ttft <= setup.ttft)),
-                 float(np.mean(tbt <= setup.tbt)), len(wl.requests))
+        return DisaggResult(cand.label, cand.num_gpus, wl, one.stats.requests, {}, [], {})
+    return simulate(deployment(setup, cand), wl)
 
 
-def _coarse(task: _Task) -> tuple[Candidate, list[Probe], str | None]:
-    """Climb (or descend) the grid until the attainment changes side; the probes in the order run."""
-    s, c = task.setup, task.candidate
-    probes: list[Probe] = []
+_Found = tuple[Candidate, list[list[Probe]], str | None]
+"""A task's outcome: the candidate, its probes per setup (in the order run), an error."""
+
+
+def _coarse(task: _Task) -> _Found:
+    """Per setup, climb (or descend) the grid until the attainment changes side."""
+    c, sims = task.candidate, _Probes(task)
+    found: list[list[Probe]] = []
     try:
-        k = 0
-        first = run_probe(s, c, task.workload, task.start * c.num_gpus, task.limits)
-        probes.append(first)
-        step = STEP if first.attainment >= s.attainment else 1 / STEP
-        while abs(k) < MAX_STEPS:
-            k += 1
-            p = run_probe(s, c, task.workload, task.start * step ** k * c.num_gpus, task.limits)
-            probes.append(p)
-            if (p.attainment >= s.attainment) != (step > 1):
-                break
+        for s in task.setups:
+            probes = [sims.at(s, task.start * c.num_gpus)]
+            found.append(probes)
+            step = STEP if probes[0].attainment >= s.attainment else 1 / STEP
+            for k in range(1, MAX_STEPS + 1):
+                p = sims.at(s, task.start * step ** k * c.num_gpus)
+                probes.append(p)
+                if (p.attainment >= s.attainment) != (step > 1):
+                    break
     except (ValueError, RuntimeError) as e:  # a request that does not fit an instance, a pool that cannot finish
-        return c, probes, str(e)
-    return c, probes, None
+        return c, found + [[] for _ in task.setups[len(found):]], str(e)
+    return c, found, None
 
 
-def _fine(task: _Task) -> tuple[Candidate, list[Probe], str | None]:
-    """Halve the bracket ``num_probes`` times (geometric midpoints)."""
-    s, c = task.setup, task.candidate
-    assert task.bracket is not None
-    lo, hi = task.bracket
-    probes = []
-    for _ in range(task.num_probes):
-        mid = math.sqrt(lo * hi)
-        p = run_probe(s, c, task.workload, mid, task.limits)
-        probes.append(p)
-        lo, hi = (mid, hi) if p.attainment >= s.attainment else (lo, mid)
-    return c, probes, None
+def _fine(task: _Task) -> _Found:
+    """Per setup with a bracket, halve it ``num_probes`` times (geometric midpoints)."""
+    sims, found = _Probes(task), []
+    for s, bracket in zip(task.setups, task.brackets):
+        probes: list[Probe] = []
+        found.append(probes)
+        if bracket is None:
+            continue
+        lo, hi = bracket
+        for _ in range(task.num_probes):
+            mid = math.sqrt(lo * hi)
+            p = sims.at(s, mid)
+            probes.append(p)
+            lo, hi = (mid, hi) if p.attainment >= s.attainment else (lo, mid)
+    return task.candidate, found, None
 
 
 @dataclass(slots=True)
@@ -218,34 +252,59 @@ def plan(setup: Setup, workload: Workload, *, min_requests: int = 300, max_reque
     lengths and order; the rates are the search's), coarse then fine (module docstring). backend, workers,
     address: ``sim.sweeps.run_tasks``'s. progress: tqdm bars per phase. Raises ``ValueError`` naming a bad
     value, or when nothing fits."""
+    return plan_slos(setup, workload, [(setup.ttft, setup.tbt)], min_requests=min_requests,
+                     max_requests=max_requests, fine_probes=fine_probes, backend=backend, workers=workers,
+                     address=address, progress=progress)[0]
+
+
+def plan_slos(setup: Setup, workload: Workload, slos: Sequence[tuple[float, float]], *, min_requests: int = 300,
+              max_requests: int = 1500, fine_probes: int = 3, backend: str | None = None, workers: int | None = None,
+              address: str | None = None, progress: bool = True) -> list[Plan]:
+    """``plan`` under each ``(ttft, tbt)`` SLO pair of ``slos`` (seconds), in one search: a candidate's probe at
+    a rate is simulated once and judged under every pair (the coarse grid is shared; the early stop and the
+    fine probes are each pair's). Returns one ``Plan`` per pair, in order; the wall time is the whole search's."""
     if not 1 <= min_requests <= max_requests:
         raise ValueError(f"need 1 <= min_requests <= max_requests, got {min_requests}, {max_requests}")
     if fine_probes < 0:
         raise ValueError(f"fine_probes={fine_probes!r} must be >= 0")
+    if not slos:
+        raise ValueError("slos is empty: give at least one (ttft, tbt) pair")
     wall = time.perf_counter()
+    setups = tuple(replace(setup, ttft=ttft, tbt=tbt) for ttft, tbt in slos)
     found = space(setup)
     limits = (min_requests, max_requests)
     start = start_rate(setup, workload)
-    tasks = [_Task(setup, c, workload, limits, start=start) for c in found.candidates]
-    entries = {c: Entry(c, sorted(p, key=lambda q: q.rate), setup.attainment, error=err)
-               for c, p, err in _run(_coarse, tasks, "coarse", backend, workers, address, progress)}
-    floor = max([(e.bracket()[0] or 0.0) / e.num_gpus for e in entries.values() if not e.error] or [0.0])
+    tasks = [_Task(setups, c, workload, limits, start=start) for c in found.candidates]
+    entries = {c: [Entry(c, sorted(p, key=lambda q: q.rate), s.attainment, error=err)
+                   for s, p in zip(setups, per_setup)]
+               for c, per_setup, err in _run(_coarse, tasks, "coarse", backend, workers, address, progress)}
+    floors = [max([(e[i].bracket()[0] or 0.0) / e[i].num_gpus for e in entries.values() if not e[i].error]
+                  or [0.0]) for i in range(len(setups))]
     todo = []
-    for e in entries.values():
-        held, failing = e.bracket()
-        if fine_probes and not e.error and held is not None and failing is not None \
-                and failing / e.num_gpus > floor:
-            todo.append(_Task(setup, e.candidate, workload, limits, bracket=(held, failing), num_probes=fine_probes))
-    for c, probes, _ in _run(_fine, todo, "fine", backend, workers, address, progress):
-        e = entries[c]
-        e.probes = sorted(e.probes + probes, key=lambda q: q.rate)
-        e.refined = True
-    ranked = sorted(entries.values(), key=lambda e: (-e.goodput, e.label))
-    return Plan(setup, ranked, workload.describe(), found.skipped, time.perf_counter() - wall, limits)
+    for c, per_setup in entries.items():
+        brackets = tuple(_refine(e, floor) if fine_probes else None for e, floor in zip(per_setup, floors))
+        if any(b is not None for b in brackets):
+            todo.append(_Task(setups, c, workload, limits, brackets=brackets, num_probes=fine_probes))
+    for c, per_setup, _ in _run(_fine, todo, "fine", backend, workers, address, progress):
+        for e, probes in zip(entries[c], per_setup):
+            if probes:
+                e.probes = sorted(e.probes + probes, key=lambda q: q.rate)
+                e.refined = True
+    seconds = time.perf_counter() - wall
+    return [Plan(s, sorted((e[i] for e in entries.values()), key=lambda e: (-e.goodput, e.label)),
+                 workload.describe(), found.skipped, seconds, limits) for i, s in enumerate(setups)]
+
+
+def _refine(entry: Entry, floor: float) -> tuple[float, float] | None:
+    """The bracket to refine ``entry`` in, or ``None`` when it cannot reach the best (``floor``, per GPU)."""
+    held, failing = entry.bracket()
+    if entry.error or held is None or failing is None or failing / entry.num_gpus <= floor:
+        return None
+    return held, failing
 
 
 def _run(fn: Any, tasks: list[_Task], phase: str, backend: str | None, workers: int | None, address: str | None,
-         progress: bool) -> list[tuple[Candidate, list[Probe], str | None]]:
+         progress: bool) -> list[_Found]:
     from tqdm.auto import tqdm
 
     out = []
