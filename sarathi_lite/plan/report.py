@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from sarathi_lite.plan.search import Entry, Plan
-from sarathi_lite.plan.space import llm_text
+from sarathi_lite.plan.space import Candidate, llm_text
 
 
 def _rate(entry: Entry) -> str:
@@ -54,20 +54,29 @@ def commands(result: Plan, top: int = 3) -> str:
     return "\n".join(out)
 
 
+def organization(cand: Candidate) -> str:
+    """``"colocated"``, ``"disaggregated"``, ``"conditional"`` or ``"hybrid"``: what the plot colours it by."""
+    if cand.colocated:
+        return "colocated"
+    if cand.hybrid is not None:
+        return "hybrid"
+    return "conditional" if cand.threshold is not None else "disaggregated"
+
+
 def plot(result: Plan, path: str | Path, top: int | None = 20) -> Path:
     """A horizontal bar per entry (best at the top): goodput per GPU, colored by organization (colocated,
-    disaggregated, conditional), the bracket as an error bar. Needs matplotlib."""
+    disaggregated, conditional, hybrid), the bracket as an error bar. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     entries = result.entries[:top] if top else result.entries
-    colors = {"colocated": "tab:blue", "disaggregated": "tab:orange", "conditional": "tab:green"}
+    colors = {"colocated": "tab:blue", "disaggregated": "tab:orange", "conditional": "tab:green",
+              "hybrid": "tab:red"}
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(entries) + 1.5))
     for y, e in enumerate(reversed(entries)):
-        kind = "colocated" if e.candidate.colocated else ("conditional" if e.candidate.threshold is not None
-                                                          else "disaggregated")
+        kind = organization(e.candidate)
         held, failing = e.bracket()
         err = None
         if held is not None and failing is not None:
