@@ -331,6 +331,8 @@ def test_processes_aborts_in_every_state_leave_every_pool_whole(procs):
     assert len(procs.routes["moved"]) == 2 and outputs and not outputs[-1].finished
     assert procs.abort_request("moved").finish_reason == "abort"  # decoding on the decode-heavy side
     assert procs.abort_request("busy").finish_reason == "abort"
+    assert not procs.coordinator.requests, procs.coordinator.requests
+    assert all(not o.finished or o.finish_reason == "abort" for o in procs.step())  # outputs taken on the way
     assert not procs.has_unfinished_requests()
     assert_pools_whole(procs)
 

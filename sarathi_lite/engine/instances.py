@@ -456,7 +456,8 @@ class ProcessEngine:
             done = [i for i in stepping if i.conn in ready or i.process.exitcode is not None]
             if done:
                 for inst in done:
-                    self._finish_step(inst)
+                    if inst.stepping:  # handling an earlier one's loss may have taken its reply already
+                        self._finish_step(inst)
                 break
             hung = [i for i in stepping if time.monotonic() - i.step_started > self.step_timeout]
             if hung:
