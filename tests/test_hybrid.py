@@ -150,9 +150,8 @@ def test_a_lost_prefill_heavy_instance_reroutes_what_it_prefilled_only_and_ends_
 # ---------------------------------------------------------------------- the simulator
 
 def test_the_simulator_serves_a_hybrid_with_both_kinds_of_paths():
-    from tests.test_sim_disagg import LINK, ConstantCost
-
     from sarathi_lite.sim.disagg import Deployment, simulate
+    from tests.test_sim_disagg import LINK, ConstantCost
 
     rng = random.Random(0)
     wl = Workload(tuple(RequestSpec(f"r{i}", 0.004 * i, rng.choice([6, 40, 90]), rng.randrange(2, 12))

@@ -32,7 +32,7 @@ ALLOWED = {
     "bench": {"scheduler", "metrics", "engine"},
     "sim": {"scheduler", "metrics", "models", "engine", "bench", "costs"},
     "server": {"engine"},
-    "plan": {"bench", "costs", "engine", "sim"},
+    "plan": {"scheduler", "bench", "costs", "engine", "sim"},
     "integrations": {"scheduler", "costs"},
     "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server", "costs", "plan"},
     "__main__": {"cli"},

@@ -1,7 +1,7 @@
 """``sarathi-lite plan``: which deployment of MODEL on GPUS x GPU serves the most requests per GPU within a TTFT
 and a P99 TBT SLO, simulated (``sarathi_lite.plan``): colocated replicas at each chunk size and ``auto``, every
-xPyD split, its conditional and its hybrid (xPHyDH) variants, tensor and pipeline degrees that fit; a ranked table with the arguments
-that run each, the commands of the best, and optionally a figure and the JSON.
+xPyD split, its conditional and its hybrid (xPHyDH) variants, tensor and pipeline degrees that fit; a ranked table
+with the arguments that run each, the commands of the best, and optionally a figure and the JSON.
 
     sarathi-lite plan --model llama3-8b --gpu h100 --gpus 4 --trace conversation --ttft 1 --tbt 0.05
 """

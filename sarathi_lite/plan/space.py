@@ -120,6 +120,12 @@ class Candidate:
                                                          hybrid=self.hybrid)
 
     @property
+    def instances_spec(self) -> str:
+        """What ``Layout.parse`` (``LLM(disaggregation=...)``, ``serve --instances``) takes, beside ``threshold``:
+        ``"2P2D"``, or a hybrid's label with its rule."""
+        return self.layout if self.hybrid is None else self.spec.label
+
+    @property
     def instances(self) -> int:
         layout = self.spec
         return layout.colocated + layout.prefill + layout.decode
@@ -221,7 +227,7 @@ def deployment(setup: Setup, cand: Candidate) -> Deployment:
     if cand.colocated:
         return Deployment.parse(cand.layout, cm, chunk_size=cand.chunk_size,
                                 options=scheduler_options(setup, cand.chunk_size))
-    return Deployment.parse(cand.spec.label, cm, chunk_size=cand.chunk_size, prefill_chunk_size=cand.prefill_chunk,
+    return Deployment.parse(cand.instances_spec, cm, chunk_size=cand.chunk_size, prefill_chunk_size=cand.prefill_chunk,
                             threshold=cand.threshold, link=LINKS[setup.link],
                             options=scheduler_options(setup, cand.chunk_size))
 
@@ -258,8 +264,8 @@ def launch(setup: Setup, cand: Candidate) -> dict[str, Any]:
         serve += ["--data-parallel-size", str(cand.instances)]
     elif not cand.colocated:
         llm["disaggregation"] = (f"Layout.parse({cand.layout!r}, threshold={cand.threshold})"
-                                 if cand.threshold is not None else repr(cand.spec.label))
-        serve += ["--instances", cand.spec.label]
+                                 if cand.threshold is not None else repr(cand.instances_spec))
+        serve += ["--instances", cand.instances_spec]
         if cand.threshold is not None:
             serve += ["--conditional-threshold", str(cand.threshold)]
         if cand.prefill_chunk != cand.chunk_size:

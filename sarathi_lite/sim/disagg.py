@@ -7,8 +7,8 @@ decode instance itself and never moves; or ``xPHyDH``, a *hybrid* (TaiChi): ``x`
 decode-heavy colocated instances (the prefill and decode pools, each at its own chunk size), where a request
 moves from a prefill-heavy to a decode-heavy instance once prefilled only when ``routing.HybridRule`` says so at
 its arrival; the others are served whole where they are prefilled. Each instance has its own cost model (its
-tensor-parallel degree is the cost model's) and its own ``Scheduler`` (``sarathi_lite.scheduler``, the classes the engine runs), so every batch
-decision is the real one; only the forward pass is a predicted step time.
+tensor-parallel degree is the cost model's) and its own ``Scheduler`` (``sarathi_lite.scheduler``, the classes
+the engine runs), so every batch decision is the real one; only the forward pass is a predicted step time.
 
 How a disaggregated request moves (the same steps as the real engine's, ``scheduler.kv_transfer``). The routing
 and the hand-over are ``sarathi_lite.scheduler.coordinator``'s, which the real engines drive too: the simulator
@@ -108,17 +108,23 @@ NDR, 400 Gb/s per port = 50 GB/s (NVIDIA ConnectX-7, one per GPU in a DGX H100);
 measurements."""
 
 
-class _SendMarked:
-    """The scheduler-side connector of a prefill (or prefill-heavy) instance: it supplies nothing and sends the KV
-    of every finished request added prefill only (``marked``; its blocks held until ``finish_kv_send``)."""
-
-    __slots__ = ("marked",)
-
-    def __init__(self) -> None:
-        self.marked: set[str] = set()
+class _SendEverything:
+    """A scheduler-side connector that supplies nothing and sends every finished request's KV (its blocks held
+    until ``finish_kv_send``)."""
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         return 0
+
+    def request_finished(self, request: Request) -> bool:
+        return True
+
+
+class _SendMarked(_SendEverything):
+    """The connector of a prefill (or prefill-heavy) instance: it sends the KV of the finished requests added
+    prefill only (``marked``) only."""
+
+    def __init__(self) -> None:
+        self.marked: set[str] = set()
 
     def request_finished(self, request: Request) -> bool:
         return request.request_id in self.marked
