@@ -128,6 +128,11 @@ def test_the_coordinator_adds_in_full_or_prefill_only_by_the_rule_and_hands_over
     assert coord.routes == {"short": ["decode0"], "stays": ["prefill0"], "moves": ["prefill0", "decode0"]}
     coord.finish("moves")
     assert p0.released == [("moves", 7)]
+    assert coord.arrive("moves2", 20, 0.0, None) is p0 and coord.requests["moves2"].prefill_only
+    d0.gone = True  # the decode-heavy instance went while it was prefilled only: it is served whole on p0
+    assert coord.hand_over("moves2", token=8) is p0 and p0.added[-1] == ("moves2", False, 0)
+    assert p0.released[-1] == ("moves2", 8) and "moves2" not in coord.held
+    assert coord.routes["moves2"] == ["prefill0", "prefill0"] and not coord.requests["moves2"].prefill_only
 
 
 def test_a_lost_prefill_heavy_instance_reroutes_what_it_prefilled_only_and_ends_the_rest():
@@ -365,5 +370,39 @@ def test_a_killed_instance_of_either_kind_is_handled_and_the_rest_serve_on(tiny_
             engine.add_request("last", prompts()[1], greedy())
             for _ in range(MAX_STEPS):
                 engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_with_every_decode_heavy_instance_lost_the_prefill_heavy_one_serves_everything_whole(tiny_checkpoints,
+                                                                                          reference):
+    from sarathi_lite.engine.instances import ProcessEngine
+    from tests.test_engine_disagg_procs import assert_pools_whole
+    engine = ProcessEngine(tiny_checkpoints["llama"], instances="1PH1DH/short=8,ttft=30,tbt=0", **OPTIONS)
+    try:
+        victim = engine.instances["decode"][0]
+        for i, p in enumerate(prompts()):
+            engine.add_request(f"r{i}", p, greedy())
+        for _ in range(MAX_STEPS):
+            engine.step()
+            if victim.requests:
+                break
+        on_victim = set(victim.requests)  # served whole there or moved there: they may have streamed tokens
+        assert on_victim
+        os.kill(victim.process.pid, signal.SIGKILL)
+        done = run(engine, {})
+        assert set(done) == {f"r{i}" for i in range(len(prompts()))}
+        for rid, out in done.items():
+            if rid in on_victim:
+                assert out.finish_reason == "error" and "decode0" in out.error, out.error
+            else:
+                assert out.token_ids == reference[int(rid[1:])], rid
+        assert engine.instance_states()["decode"]["lost"] == 1
+        # prefilled only when decode0 went: served whole on prefill0 after all
+        assert any(r == ["prefill0", "prefill0"] for r in engine.routes.values())
+        later = run(engine, {f"again{i}": p for i, p in enumerate(prompts())})  # nothing moves now
+        assert [later[f"again{i}"].token_ids for i in range(len(prompts()))] == reference
+        assert all(engine.routes[f"again{i}"] == ["prefill0"] for i in range(len(prompts())))
+        assert_pools_whole(engine)
     finally:
         engine.shutdown()

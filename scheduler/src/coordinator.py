@@ -165,8 +165,10 @@ class Coordinator:
 
     def hand_over(self, request_id: str, token: Any = None, now: float = 0.0) -> Instance:
         """The prefill instance of ``request_id`` finished its prompt and holds its K/V under ``token``: add the
-        request to the decode instance the router picks (another one if that one is found gone). Raises
-        ``NoInstanceLeft`` (the hold stays: ``finish`` releases it) when no decode instance takes it."""
+        request to the decode instance the router picks (another one if that one is found gone). In a hybrid
+        layout with no decode-heavy instance left, the hold is released and the request placed again (``place``:
+        served whole on a prefill-heavy instance; no output of it came out yet). Raises ``NoInstanceLeft`` (the
+        hold stays: ``finish`` releases it) when no instance takes it."""
         record = self.requests[request_id]
         source = record.where
         assert source is not None and source.role == PREFILL and record.prefill_only, \
@@ -191,6 +193,9 @@ class Coordinator:
                 break
             self._put(record, target)
             return target
+        if self.layout.hybrid is not None and all(i.load() is None for i in decode):
+            self.release(request_id)
+            return self.place(record)
         raise NoInstanceLeft(error)
 
     def release(self, request_id: str) -> Hold | None:
