@@ -406,3 +406,32 @@ def test_with_every_decode_heavy_instance_lost_the_prefill_heavy_one_serves_ever
         assert_pools_whole(engine)
     finally:
         engine.shutdown()
+
+
+def test_the_simulator_routes_and_batches_a_hybrid_as_the_real_router_on_a_replayed_run(tiny_checkpoints):
+    from sarathi_lite.engine.disagg import DisaggregatedEngine
+    from sarathi_lite.sim.disagg import Deployment, Link, PoolSpec, simulate
+    from tests.test_engine_disagg import UnitCost
+
+    ps = prompts(9, seed=3)
+    engine = DisaggregatedEngine(tiny_checkpoints["llama"], instances=SPEC, record_batches=True,
+                                 enable_prefix_caching=False, prefill_options={"chunk_size": 32}, **OPTIONS)
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, greedy(), arrival_time=0.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    cfg = engine.engines["prefill"][0].scheduler_config
+    options = dict(num_kv_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+                   enable_prefix_caching=False)
+    cm = UnitCost()
+    dep = Deployment(prefill=PoolSpec("prefill", 1, cm, chunk_size=32, options=options),
+                     decode=PoolSpec("decode", 2, cm, chunk_size=16, options=options), link=Link("instant", 1e18, 0),
+                     hybrid=Layout.parse(SPEC).hybrid)
+    wl = Workload(tuple(RequestSpec(f"r{i}", 0.0, len(p), 6) for i, p in enumerate(ps)))
+    sim = simulate(dep, wl, record_batches=True)
+    assert sim.routes == {rid: tuple(r) for rid, r in engine.routes.items()}  # the same instances, and batches:
+    assert {len(r) for r in sim.routes.values()} == {1, 2}
+    for role, count in (("prefill", 1), ("decode", 2)):
+        for i in range(count):
+            e = engine.engines[role][i]
+            assert [it.batch for it in e.stats().iterations] == [it.batch for it in sim.iterations[f"{role}{i}"]]
