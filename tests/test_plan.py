@@ -13,8 +13,9 @@ from sarathi_lite.cli import build_parser, main
 from sarathi_lite.cli.common import engine_config
 from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.plan import Setup, commands, plan, space, table
-from sarathi_lite.plan.space import deployment, launch, llm_text, start_rate
-from sarathi_lite.scheduler.routing import Layout
+from sarathi_lite.plan.report import organization
+from sarathi_lite.plan.space import deployment, hybrid_rule, launch, llm_text, start_rate
+from sarathi_lite.scheduler.routing import HybridRule, Layout
 from sarathi_lite.sim.disagg import rate_sweep
 from sarathi_lite.sim.sweeps import run_tasks
 
@@ -44,7 +45,8 @@ def test_space_holds_the_studys_organizations_and_the_degrees_that_fit():
 
 def test_ranking_is_that_of_direct_simulations_of_the_same_deployments(tiny):
     setup, wl, result = tiny
-    assert {e.label for e in result.entries} == {"2C@512", "2C@2048", "1P1D", "1P1D/cond512"}
+    assert {e.label for e in result.entries} == {"2C@512", "2C@2048", "1P1D", "1P1D/cond512",
+                                                 "1PH1DH/short=512,ttft=5120,tbt=512"}
     direct = {}
     for e in result.entries:
         assert e.error is None and e.probes
@@ -208,3 +210,26 @@ def test_cli_plan_judges_several_slo_pairs_in_one_search(capsys):
     assert "--slo 'fast': expected TTFT,TBT" in capsys.readouterr().err
     assert main(args) == 2
     assert "give --ttft and --tbt, or one --slo" in capsys.readouterr().err
+
+
+def test_the_planner_lists_and_simulates_hybrid_candidates(tiny):
+    setup = Setup("llama3-8b", "h100", 4, 1.0, 0.05)
+    assert hybrid_rule(setup) == HybridRule(short=512, ttft_tokens=10240, tbt_tokens=512)
+    labels = [c.label for c in space(setup).candidates]
+    for split in ("1PH3DH", "2PH2DH", "3PH1DH"):
+        assert f"{split}/short=512,ttft=10240,tbt=512" in labels
+    assert not any("PH" in x for x in (c.label for c in space(Setup("llama3-8b", "h100", 4, 1.0, 0.05,
+                                                                      hybrid=False)).candidates))
+    assert not any("PH" in x for x in (c.label for c in space(Setup("llama3-8b", "h100", 1, 1.0, 0.05)).candidates))
+    setup, wl, result = tiny
+    (entry,) = [e for e in result.entries if e.candidate.hybrid is not None]
+    cand = entry.candidate
+    assert entry.error is None and entry.probes and organization(cand) == "hybrid"
+    d = deployment(setup, cand)
+    assert d.layout == cand.spec and d.prefill.chunk_size == 2048 and d.decode.chunk_size == 512
+    run = launch(setup, cand)
+    assert run["llm"]["disaggregation"] == "'1PH1DH/short=512,ttft=5120,tbt=512'"
+    assert run["llm"]["prefill_options"] == {"chunk_size": 2048} and run["llm"]["chunk_size"] == 512
+    assert run["serve"][run["serve"].index("--instances") + 1] == "1PH1DH/short=512,ttft=5120,tbt=512"
+    sim = rate_sweep(d, wl, [entry.probes[0].rate]).results[0]
+    assert {len(r) for r in sim.routes.values()} <= {1, 2} and all(m.finished_time for m in sim.requests)

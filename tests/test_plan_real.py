@@ -27,7 +27,7 @@ def cpu_workload(n: int) -> Workload:
 def test_a_profile_prices_one_device_per_instance():
     setup = Setup("smollm2-135m", "cpu", 2, ttft=5.0, tbt=1.065, profile=PROFILE, **CPU)
     found = space(setup)
-    assert sorted(c.label for c in found.candidates) == ["1P1D", "2C@256", "2C@64"]
+    assert sorted(c.label for c in found.candidates) == ["1P1D", "1PH1DH/short=64,ttft=300,tbt=64", "2C@256", "2C@64"]
     assert {shape for shape, _ in found.skipped} == {"tp1 pp2", "tp2 pp1"}
     assert all("degree 2" in why for _, why in found.skipped)
     assert 0.01 < start_rate(setup, cpu_workload(50)) < 10  # from the profile, not from Llama-3-8B on an H100

@@ -1,7 +1,7 @@
 """``sarathi-lite plan``: which deployment of MODEL on GPUS x GPU serves the most requests per GPU within a TTFT
 and a P99 TBT SLO, simulated (``sarathi_lite.plan``): colocated replicas at each chunk size and ``auto``, every
-xPyD split and its conditional variant, tensor and pipeline degrees that fit; a ranked table with the arguments
-that run each, the commands of the best, and optionally a figure and the JSON.
+xPyD split, its conditional and its hybrid (xPHyDH) variants, tensor and pipeline degrees that fit; a ranked table
+with the arguments that run each, the commands of the best, and optionally a figure and the JSON.
 
     sarathi-lite plan --model llama3-8b --gpu h100 --gpus 4 --trace conversation --ttft 1 --tbt 0.05
 
@@ -35,7 +35,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     setup = Setup(args.model, args.gpu, args.gpus, *slos[0], args.attainment,
                   chunk_sizes=parse_chunk_sizes(args.chunk_sizes), prefill_chunk=args.prefill_chunk,
                   decode_chunk=args.decode_chunk, threshold=args.threshold if args.threshold >= 0 else None,
-                  link=args.link, max_degree=args.max_degree, checkpoint=args.checkpoint, profile=args.profile)
+                  hybrid=not args.no_hybrid, link=args.link, max_degree=args.max_degree, checkpoint=args.checkpoint,
+                  profile=args.profile)
     workload = _workload(args)
     results = plan_slos(setup, workload, slos, min_requests=args.requests, max_requests=args.max_requests,
                         fine_probes=args.fine_probes, backend=args.backend, workers=args.workers,
@@ -118,6 +119,8 @@ def add_plan_parser(sub: Any) -> None:
                         "the --gpu preset, which is then a label (e.g. cpu)")
     g.add_argument("--threshold", type=int, default=512,
                    help="conditional variants: prompt tokens prefilled on a decode instance (-1: none)")
+    g.add_argument("--no-hybrid", action="store_true",
+                   help="no hybrid variants (prefill-heavy and decode-heavy colocated instances)")
     g.add_argument("--link", default="infiniband", choices=list(LINKS), help="KV transfer link")
     g.add_argument("--max-degree", type=int, default=None, help="largest tensor x pipeline degree tried")
     g.add_argument("--requests", type=int, default=300, help="fewest requests per probe (default 300)")

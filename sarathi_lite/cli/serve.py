@@ -7,9 +7,10 @@ however long it runs. The API key may come from the SARATHI_LITE_API_KEY environ
 ``--api-key`` (which ``ps`` shows). Needs the ``[serve]`` extra.
 
 ``--instances 2P1D`` (x prefill and y decode instances; ``--conditional-threshold T`` prefills prompts of at most
-T tokens on a decode instance) or ``--data-parallel-size N`` (N colocated replicas) start every instance as its
-own process behind the router (``sarathi_lite.engine.instances``), each with ``--threads`` torch threads
-(default 1), and put the server in front.
+T tokens on a decode instance), ``--instances 1PH1DH`` (a hybrid of prefill-heavy and decode-heavy colocated
+instances, optionally with its rule, ``1PH1DH/short=256,ttft=2048,tbt=512``) or ``--data-parallel-size N`` (N
+colocated replicas) start every instance as its own process behind the router (``sarathi_lite.engine.instances``),
+each with ``--threads`` torch threads (default 1), and put the server in front.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--uvicorn-log-level", default="warning")
     g = p.add_argument_group("instances (each its own process behind a router)")
     g.add_argument("--instances", default=None, metavar="LAYOUT",
-                   help="N colocated replicas, or xPyD prefill and decode instances, e.g. 2P1D (default: one engine)")
+                   help="N colocated replicas, xPyD prefill and decode instances (e.g. 2P1D), or a hybrid xPHyDH "
+                        "(e.g. 1PH1DH; routing.HybridRule) (default: one engine)")
     g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                    help="N colocated replicas as processes (the same as --instances N)")
     g.add_argument("--conditional-threshold", type=int, default=None, metavar="TOKENS",

@@ -13,7 +13,11 @@ simulator and the instance processes drive too):
   computes the last prompt token and decodes with the request's own sampling parameters. A load that fails
   (the K/V is gone) falls back to recomputing the prompt, with one warning (``LLMEngine``);
 - conditional (``Layout.parse("1P1D", threshold=64)``): prompts of at most ``threshold`` tokens are prefilled
-  on a decode instance itself.
+  on a decode instance itself;
+- hybrid (``"1PH1DH"``, TaiChi): prefill-heavy and decode-heavy instances (the prefill and decode roles, with
+  their own options, e.g. ``prefill_options={"chunk_size": 2048}``, ``decode_options={"chunk_size": 128}``), all
+  serving requests whole; a request ``routing.HybridRule`` moves is added prefill only to its prefill-heavy
+  instance, whose connector saves only such marked requests, and is handed over as above.
 
 Greedy outputs equal one colocated engine's, token for token. The K/V moves through an in-process store, so this
 measures the scheduling of both organizations on one machine, not a network transfer (the simulator,
@@ -47,15 +51,20 @@ PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 off), so the prompt's K/V is always kept for sending; the decode side samples the first token again."""
 
 
-def deployment_stats(stats: Iterable[tuple[str, Stats]]) -> Stats:
+def deployment_stats(stats: Iterable[tuple[str, Stats]], hybrid: bool = False) -> Stats:
     """A deployment's ``Stats`` from its instances' ``(role, stats)``: the per-request records of the instances
     that produce outputs (decode instances and replicas; TTFT from the arrival, so it includes the prefill
-    elsewhere) and every instance's iterations."""
+    elsewhere; in a ``hybrid`` deployment prefill-heavy instances too, for the requests no decode-heavy instance
+    has a record of) and every instance's iterations."""
+    stats = list(stats)
+    decoded = {r.request_id for role, s in stats if role == DECODE for r in s.requests} if hybrid else set()
     requests: list[Any] = []
     iterations: list[Any] = []
     for role, s in stats:
         if role != PREFILL:
             requests += s.requests
+        elif hybrid:
+            requests += [r for r in s.requests if r.request_id not in decoded]
         iterations += s.iterations
     return Stats(requests, iterations)
 
@@ -64,10 +73,11 @@ class EngineInstance:
     """One ``LLMEngine`` of a ``DisaggregatedEngine`` as a ``coordinator.Instance``; its K/V goes through the
     in-process store ``store``."""
 
-    __slots__ = ("engine", "role", "name", "requests", "store")
+    __slots__ = ("engine", "role", "name", "requests", "store", "connector")
 
     def __init__(self, engine: LLMEngine, role: str, index: int, store: Any) -> None:
         self.engine, self.role, self.name, self.store = engine, role, f"{role}{index}", store
+        self.connector = engine.kv_connector
         self.requests: set[str] = set()
 
     def load(self) -> Load:
@@ -76,6 +86,7 @@ class EngineInstance:
     def add(self, record: RequestRecord, prefill_only: bool, num_external_tokens: int, hold: Hold | None) -> None:
         prompt, token_ids, params = record.payload
         if prefill_only:
+            self.connector.mark(record.request_id)
             self.engine.add_request(record.request_id, token_ids, PREFILL_ONLY, record.arrival)
         else:
             self.engine.add_request(record.request_id, prompt, params, record.arrival,
@@ -109,7 +120,7 @@ class DisaggregatedEngine:
         for role in (PREFILL, DECODE, COLOCATED):
             for _ in range(counts[role]):
                 connector = None if role == COLOCATED else \
-                    InProcessKVConnector(self.store_name, "producer" if role == PREFILL else "consumer")
+                    InProcessKVConnector(self.store_name, "producer" if role == PREFILL else "consumer", True)
                 if source is None:
                     engine = source = LLMEngine(model, connector=connector, **role_options[role])
                 else:
@@ -154,6 +165,8 @@ class DisaggregatedEngine:
         if where is None:
             raise ValueError(f"request_id={request_id!r} is unknown or already finished")
         output = where.engine.abort_request(request_id)
+        if where.connector is not None:
+            where.connector.unmark(request_id)
         self.coordinator.finish(request_id)
         self.store.pop(request_id)
         return output
@@ -173,9 +186,9 @@ class DisaggregatedEngine:
         """One step of every instance with work: decode instances and replicas, then prefill instances, whose
         finished prompts are handed to decode instances for the next round (as in the simulator, where a prompt
         handed over at the end of a prefill step reaches the decode instance's next step). A decode step that only
-        loaded K/V ran no forward pass, so that instance steps once more. Returns the outputs of decode instances
-        and replicas; a prefill instance's one token is not an output (the decode instance samples the first
-        token again)."""
+        loaded K/V ran no forward pass, so that instance steps once more. Returns the outputs of decode instances,
+        replicas and prefill-heavy instances; the one token of a request prefilled only is not an output (the
+        decode instance samples the first token again)."""
         outputs: list[RequestOutput] = []
         for role in (DECODE, COLOCATED):
             for engine in self.engines[role]:
@@ -189,11 +202,24 @@ class DisaggregatedEngine:
                     if out.finished:
                         self.coordinator.finish(out.request_id)  # releases K/V never loaded (a full prefix hit)
                 outputs += found
-        for engine in self.engines[PREFILL]:
-            if engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:  # its K/V is saved in the store: the coordinator hands it over
-                        self.coordinator.hand_over(out.request_id)
+        for inst in self.coordinator.instances[PREFILL]:
+            if inst.engine.has_unfinished_requests():
+                outputs += self._prefill_step(inst)
+        return outputs
+
+    def _prefill_step(self, inst: EngineInstance) -> list[RequestOutput]:
+        """One step of a prefill (prefill-heavy) instance: its requests prefilled only are handed over once done;
+        the outputs of those it serves whole (a hybrid's) are returned."""
+        outputs = []
+        for out in inst.engine.step():
+            record = self.coordinator.requests.get(out.request_id)
+            if record is not None and record.prefill_only and record.where is inst:
+                if out.finished:  # its K/V is saved in the store: the coordinator hands it over
+                    self.coordinator.hand_over(out.request_id)
+                continue
+            if out.finished:
+                self.coordinator.finish(out.request_id)
+            outputs.append(out)
         return outputs
 
     # ------------------------------------------------------------------ helpers
@@ -203,7 +229,8 @@ class DisaggregatedEngine:
 
     def stats(self) -> Stats:
         """``deployment_stats`` of every instance."""
-        return deployment_stats((role, e.stats()) for role in (PREFILL, DECODE, COLOCATED) for e in self.engines[role])
+        return deployment_stats([(role, e.stats()) for role in (PREFILL, DECODE, COLOCATED)
+                                 for e in self.engines[role]], self.layout.hybrid is not None)
 
     def shutdown(self) -> None:
         for engine in self._all():

@@ -1,5 +1,6 @@
-"""Instances as processes: colocated replicas, xPyD disaggregated or conditional, each instance an ``LLMEngine``
-in its own spawned process, behind one router in the caller's process.
+"""Instances as processes: colocated replicas, xPyD disaggregated or conditional, or a hybrid (``xPHyDH``:
+prefill-heavy and decode-heavy colocated instances, ``routing.HybridRule``), each instance an ``LLMEngine`` in its
+own spawned process, behind one router in the caller's process.
 
 ``ProcessEngine`` has the step API of ``LLMEngine`` (``add_request``, ``step``, ``abort_request``,
 ``has_unfinished_requests``, ``stats``) and routes and hands requests over with
@@ -15,7 +16,9 @@ loads every instance reports with each reply.
   stay held on the prefill instance until the decode instance acknowledges them (or the request ends there);
   the decode instance admits it with ``num_external_tokens = prompt_len - 1`` and computes the last prompt token
   itself, so greedy outputs equal one engine's token for token. A transfer that fails or outlasts
-  ``transfer_timeout`` seconds makes the decode instance recompute the prompt (one warning).
+  ``transfer_timeout`` seconds makes the decode instance recompute the prompt (one warning). In a hybrid the
+  prefill-heavy instances are the prefill ranks and the decode-heavy ones the decode ranks; only a request the
+  rule moves is added prefill only (with a handle); the others are served whole where they are prefilled.
 - The router talks to each instance over a pipe, in typed messages (``engine/instance_rpc.py``); an instance's
   side is ``engine/instance_child.py``. Instances step independently: ``step()`` starts a step on every
   instance with work that is not stepping already and returns once at least one has ended, so forward passes run
@@ -24,7 +27,9 @@ loads every instance reports with each reply.
   A dead prefill instance's unfinished prompts go to another prefill instance, or, with none left, to a decode
   instance that prefills them itself; a dead decode instance or replica ends its requests with
   ``finish_reason="error"`` (the message names the instance), and new requests go to the others; with none of a
-  needed role left, ``step`` and ``add_request`` raise ``EngineDeadError``. Children are daemons, exit when the
+  needed role left, ``step`` and ``add_request`` raise ``EngineDeadError``. In a hybrid, a dead instance's
+  requests prefilled only there are routed again and the others end with an error; it serves on while any
+  instance of either kind is left. Children are daemons, exit when the
   router's pipe closes or its process goes away, and ``shutdown()`` (also run when the engine is collected and
   at interpreter exit) stops them. Scripts need the ``if __name__ == "__main__":`` guard of the spawn start
   method.
@@ -446,7 +451,8 @@ class ProcessEngine:
             done = [i for i in stepping if i.conn in ready or i.process.exitcode is not None]
             if done:
                 for inst in done:
-                    self._finish_step(inst)
+                    if inst.stepping:  # handling an earlier one's loss may have taken its reply already
+                        self._finish_step(inst)
                 break
             hung = [i for i in stepping if time.monotonic() - i.step_started > self.step_timeout]
             if hung:
@@ -491,20 +497,21 @@ class ProcessEngine:
                 continue
             self.transfers.update(done.transfers)
             self.metrics.add(done.iterations)
-            if inst.role == PREFILL:
-                for out in done.outputs:
+            for out in done.outputs:
+                record = self.coordinator.requests.get(out.request_id)
+                mine = record is not None and record.where is inst
+                if inst.role == PREFILL and not (mine and not record.prefill_only):  # prefilled only here
                     if out.finish_reason == "error":
                         self._forget(out.request_id)
                         self._outputs.append(out)
-                    elif out.finished and self.coordinator.where(out.request_id) is not None:
+                    elif out.finished and mine:
                         self._hand_over(out.request_id)
-                continue
-            for out in done.outputs:
+                    continue  # its one token is not an output
                 if out.request_id in self.coordinator.held and (out.new_token_ids or out.finished):
                     self.coordinator.release(out.request_id)  # past its load: the prefill side's blocks can go
                 if out.finished:
                     self._forget(out.request_id)
-            self._outputs += done.outputs
+                self._outputs.append(out)
         self._outputs += self._errors
         self._errors = []
 
@@ -519,7 +526,7 @@ class ProcessEngine:
     def _forget(self, request_id: str) -> None:
         """``request_id`` ended: forgotten, its K/V released (on a prefill instance still: its handle dropped)."""
         record = self.coordinator.requests.get(request_id)
-        if record is not None and record.where is not None and record.where.role == PREFILL:
+        if record is not None and record.where is not None and record.prefill_only:
             record.where.release(request_id, record.payload.handle)
         self.coordinator.finish(request_id)
 
@@ -568,7 +575,9 @@ class ProcessEngine:
         """Raise ``EngineDeadError`` when a role the layout needs has no live instance, after stopping the
         instances left (a prefill instance cannot serve without a decode instance: its process and KV blocks
         would be held for nothing)."""
-        needed = (COLOCATED,) if self.layout.colocated else (DECODE,)
+        needed = [COLOCATED] if self.layout.colocated else [DECODE]
+        if self.layout.hybrid is not None:  # either kind serves requests whole
+            needed = [PREFILL] if all(i.dead for i in self.instances[DECODE]) else []
         for role in needed:
             if all(i.dead for i in self.instances[role]):
                 reason = f"no {role} instance is left: {self._deaths()}"
@@ -603,7 +612,8 @@ class ProcessEngine:
 
     def stats(self) -> Stats:
         """``deployment_stats`` of every live instance."""
-        return deployment_stats([(inst.role, self.call(inst, rpc.GetStats())) for inst in self._live()])
+        return deployment_stats([(inst.role, self.call(inst, rpc.GetStats())) for inst in self._live()],
+                                self.layout.hybrid is not None)
 
     def reset_stats(self) -> None:
         for inst in self._live():

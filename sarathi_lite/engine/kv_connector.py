@@ -109,13 +109,25 @@ class InProcessKVConnector:
 
     role: ``"producer"`` saves every finished request's K/V; ``"consumer"`` loads them for requests added with
     ``num_external_tokens`` (each entry is taken once); ``"both"`` does both.
+    marked_only: the producer saves only the requests ``mark``-ed before they finish (a hybrid deployment's
+    prefill-heavy instance serves most requests whole and sends only those that move).
     """
 
-    def __init__(self, store: str = "default", role: str = "both") -> None:
+    def __init__(self, store: str = "default", role: str = "both", marked_only: bool = False) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
         self.role = role
         self.store = kv_store(store)
+        self.marked: set[str] | None = set() if marked_only else None
+
+    def mark(self, request_id: str) -> None:
+        """Save the K/V of ``request_id`` when it finishes (with ``marked_only``)."""
+        if self.marked is not None:
+            self.marked.add(request_id)
+
+    def unmark(self, request_id: str) -> None:
+        if self.marked is not None:
+            self.marked.discard(request_id)
 
     # ------------------------------------------------------------------ the scheduler's side
 
@@ -128,7 +140,14 @@ class InProcessKVConnector:
         return max(min(entry.num_tokens, request.num_external_tokens) - num_computed_tokens, 0)
 
     def request_finished(self, request: Request) -> bool:
-        return self.role != "consumer"
+        if self.role == "consumer":
+            return False
+        if self.marked is None:
+            return True
+        if request.request_id in self.marked:
+            self.marked.discard(request.request_id)
+            return True
+        return False
 
     # ------------------------------------------------------------------ the worker's side
 

@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from sarathi_lite.plan.search import Entry, Plan
-from sarathi_lite.plan.space import Setup, llm_text
+from sarathi_lite.plan.space import Candidate, Setup, llm_text
 
 
 def _rate(entry: Entry) -> str:
@@ -48,23 +48,17 @@ def table(result: Plan, top: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def kind(entry: Entry) -> str:
-    """The organization of ``entry``: ``colocated``, ``disaggregated`` or ``conditional``."""
-    c = entry.candidate
-    return "colocated" if c.colocated else ("conditional" if c.threshold is not None else "disaggregated")
-
-
 def summary(results: list[Plan]) -> str:
     """One row per SLO pair (``plan_slos``): the best entry, and the best of each organization with its goodput
     per GPU as a ratio to the best."""
-    kinds = sorted({kind(e) for r in results for e in r.entries})
+    kinds = sorted({organization(e.candidate) for r in results for e in r.entries})
     lines = ["| TTFT SLO | P99 TBT SLO | best | goodput req/s/GPU | " + " | ".join(f"best {k}" for k in kinds) + " |",
              "|---" * (4 + len(kinds)) + "|"]
     for r in results:
         best = r.best
         cells = []
         for k in kinds:
-            top = next((e for e in r.entries if kind(e) == k), None)
+            top = next((e for e in r.entries if organization(e.candidate) == k), None)
             ratio = "" if top is None or not best.goodput else f" ({top.goodput / best.goodput:.2f}x)"
             cells.append("-" if top is None else f"{top.label} {top.goodput:.2f}{ratio}")
         lines.append(f"| {r.setup.ttft:g} s | {r.setup.tbt * 1000:g} ms | {best.label} | {best.goodput:.2f} | "
@@ -84,19 +78,29 @@ def commands(result: Plan, top: int = 3) -> str:
     return "\n".join(out)
 
 
+def organization(cand: Candidate) -> str:
+    """``"colocated"``, ``"disaggregated"``, ``"conditional"`` or ``"hybrid"``: what the plot colours it by."""
+    if cand.colocated:
+        return "colocated"
+    if cand.hybrid is not None:
+        return "hybrid"
+    return "conditional" if cand.threshold is not None else "disaggregated"
+
+
 def plot(result: Plan, path: str | Path, top: int | None = 20) -> Path:
     """A horizontal bar per entry (best at the top): goodput per GPU, colored by organization (colocated,
-    disaggregated, conditional), the bracket as an error bar. Needs matplotlib."""
+    disaggregated, conditional, hybrid), the bracket as an error bar. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     entries = result.entries[:top] if top else result.entries
-    colors = {"colocated": "tab:blue", "disaggregated": "tab:orange", "conditional": "tab:green"}
+    colors = {"colocated": "tab:blue", "disaggregated": "tab:orange", "conditional": "tab:green",
+              "hybrid": "tab:red"}
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(entries) + 1.5))
     for y, e in enumerate(reversed(entries)):
-        org = kind(e)
+        org = organization(e.candidate)
         held, failing = e.bracket()
         err = None
         if held is not None and failing is not None:

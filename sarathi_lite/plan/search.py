@@ -271,28 +271,34 @@ def plan_slos(setup: Setup, workload: Workload, slos: Sequence[tuple[float, floa
         raise ValueError("slos is empty: give at least one (ttft, tbt) pair")
     wall = time.perf_counter()
     setups = tuple(replace(setup, ttft=ttft, tbt=tbt) for ttft, tbt in slos)
-    found = space(setup)
+    spaces = [space(s) for s in setups]  # a hybrid's routing rule follows the SLOs: each pair has its own space
+    judged: dict[Candidate, list[int]] = {}  # candidate -> the pairs whose space holds it
+    for i, found in enumerate(spaces):
+        for c in found.candidates:
+            judged.setdefault(c, []).append(i)
     limits = (min_requests, max_requests)
     start = start_rate(setup, workload)
-    tasks = [_Task(setups, c, workload, limits, start=start) for c in found.candidates]
-    entries = {c: [Entry(c, sorted(p, key=lambda q: q.rate), s.attainment, error=err)
-                   for s, p in zip(setups, per_setup)]
-               for c, per_setup, err in _run(_coarse, tasks, "coarse", backend, workers, address, progress)}
-    floors = [max([(e[i].bracket()[0] or 0.0) / e[i].num_gpus for e in entries.values() if not e[i].error]
+    tasks = [_Task(tuple(setups[i] for i in idx), c, workload, limits, start=start) for c, idx in judged.items()]
+    entries: dict[Candidate, dict[int, Entry]] = {
+        c: {i: Entry(c, sorted(p, key=lambda q: q.rate), setups[i].attainment, error=err)
+            for i, p in zip(judged[c], per_setup)}
+        for c, per_setup, err in _run(_coarse, tasks, "coarse", backend, workers, address, progress)}
+    floors = [max([(e[i].bracket()[0] or 0.0) / e[i].num_gpus for e in entries.values() if i in e and not e[i].error]
                   or [0.0]) for i in range(len(setups))]
     todo = []
     for c, per_setup in entries.items():
-        brackets = tuple(_refine(e, floor) if fine_probes else None for e, floor in zip(per_setup, floors))
+        brackets = tuple(_refine(e, floors[i]) if fine_probes else None for i, e in per_setup.items())
         if any(b is not None for b in brackets):
-            todo.append(_Task(setups, c, workload, limits, brackets=brackets, num_probes=fine_probes))
+            todo.append(_Task(tuple(setups[i] for i in per_setup), c, workload, limits, brackets=brackets,
+                              num_probes=fine_probes))
     for c, per_setup, _ in _run(_fine, todo, "fine", backend, workers, address, progress):
-        for e, probes in zip(entries[c], per_setup):
+        for e, probes in zip(entries[c].values(), per_setup):
             if probes:
                 e.probes = sorted(e.probes + probes, key=lambda q: q.rate)
                 e.refined = True
     seconds = time.perf_counter() - wall
-    return [Plan(s, sorted((e[i] for e in entries.values()), key=lambda e: (-e.goodput, e.label)),
-                 workload.describe(), found.skipped, seconds, limits) for i, s in enumerate(setups)]
+    return [Plan(s, sorted((e[i] for e in entries.values() if i in e), key=lambda e: (-e.goodput, e.label)),
+                 workload.describe(), spaces[i].skipped, seconds, limits) for i, s in enumerate(setups)]
 
 
 def _refine(entry: Entry, floor: float) -> tuple[float, float] | None:

@@ -8,7 +8,9 @@ The space, for every tensor-parallel degree T and pipeline degree P (powers of t
   sized to the TBT SLO by the cost model, aiming at P99; not under pipeline parallelism);
 - with ``P = 1`` and ``N >= 2``: every ``xPyD`` split (``x + y = N``) with prefill chunk ``prefill_chunk`` and
   decode chunk ``decode_chunk``, and the conditional variant of each split with ``x <= y`` (prompts of at most
-  ``threshold`` tokens prefilled on a decode instance), KV over ``link``;
+  ``threshold`` tokens prefilled on a decode instance), KV over ``link``; with ``hybrid``, the hybrid
+  ``xPHyDH`` of each split (TaiChi: ``x`` prefill-heavy instances at ``prefill_chunk``, ``y`` decode-heavy ones at
+  ``decode_chunk``, all colocated; ``hybrid_rule`` derives its routing rule from the SLOs and the decode chunk);
 - with ``P > 1``: one instance over all its GPUs only (``T * P == gpus``): replicas of a pipelined instance
   would need the simulator of several instances to pipeline, which it does not (``sim.disagg`` runs one step
   at a time per instance).
@@ -31,6 +33,7 @@ from sarathi_lite.costs.calibrated import CALIBRATED_HARDWARE, calibrated
 from sarathi_lite.costs.roofline import hardware, model_shape
 from sarathi_lite.engine.config import OPTIONS, parse_chunk_size
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+from sarathi_lite.scheduler.routing import HybridRule, Layout
 from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS, Deployment
 
 CHUNK_SIZES: tuple[int | str, ...] = (256, 512, 1024, 2048, "auto")
@@ -50,7 +53,7 @@ class Setup:
     preset), ``gpus`` (how many), SLOs ``ttft`` (seconds) and ``tbt`` (a request's P99 time between tokens,
     seconds) met by at least ``attainment`` of the requests; the space's knobs (module docstring); ``max_degree``:
     the largest tensor x pipeline degree tried (default: ``gpus``); ``checkpoint``: the model the printed commands
-    name (default: ``model``). Raises ``ValueError`` naming a bad value."""
+    name (default: ``model``); ``hybrid``: list the hybrid variants. Raises ``ValueError`` naming a bad value."""
 
     model: str
     gpu: str
@@ -62,6 +65,7 @@ class Setup:
     prefill_chunk: int = 2048
     decode_chunk: int = 512
     threshold: int | None = 512
+    hybrid: bool = True
     link: str = "infiniband"
     max_degree: int | None = None
     checkpoint: str | None = None
@@ -99,9 +103,10 @@ class Setup:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One deployment of the space: ``layout`` (``"4C"``, ``"2P2D"``), each instance's tensor (``tp``) and
-    pipeline (``pp``) degree, ``chunk_size`` (a replica's, or a decode instance's), ``prefill_chunk`` (prefill
-    instances') and the conditional ``threshold``."""
+    """One deployment of the space: ``layout`` (``"4C"``, ``"2P2D"``, ``"2PH2DH"``), each instance's tensor (``tp``)
+    and pipeline (``pp``) degree, ``chunk_size`` (a replica's, or a decode or decode-heavy instance's),
+    ``prefill_chunk`` (prefill or prefill-heavy instances'), the conditional ``threshold`` and the ``hybrid``
+    rule."""
 
     layout: str
     tp: int = 1
@@ -109,17 +114,29 @@ class Candidate:
     chunk_size: int | str = 512
     prefill_chunk: int | None = None
     threshold: int | None = None
+    hybrid: HybridRule | None = None
 
     @property
     def colocated(self) -> bool:
         return self.layout.endswith("C")
 
     @property
+    def spec(self) -> Layout:
+        """The ``routing.Layout`` it runs (its ``label`` is what ``LLM``/``serve`` take)."""
+        layout = Layout.parse(self.layout, self.threshold)
+        return layout if self.hybrid is None else Layout(prefill=layout.prefill, decode=layout.decode,
+                                                         hybrid=self.hybrid)
+
+    @property
+    def instances_spec(self) -> str:
+        """What ``Layout.parse`` (``LLM(disaggregation=...)``, ``serve --instances``) takes, beside ``threshold``:
+        ``"2P2D"``, or a hybrid's label with its rule."""
+        return self.layout if self.hybrid is None else self.spec.label
+
+    @property
     def instances(self) -> int:
-        if self.colocated:
-            return int(self.layout[:-1])
-        x, _, y = self.layout[:-1].partition("P")
-        return int(x) + int(y)
+        layout = self.spec
+        return layout.colocated + layout.prefill + layout.decode
 
     @property
     def num_gpus(self) -> int:
@@ -128,9 +145,7 @@ class Candidate:
     @property
     def label(self) -> str:
         """As the study labels it (``4C@1024``, ``2P2D/cond512``), with the degrees when not 1 (`` tp2 pp2``)."""
-        base = f"{self.layout}@{self.chunk_size}" if self.colocated else self.layout
-        if self.threshold is not None:
-            base += f"/cond{self.threshold}"
+        base = f"{self.layout}@{self.chunk_size}" if self.colocated else self.spec.label
         return base + (f" tp{self.tp}" if self.tp > 1 else "") + (f" pp{self.pp}" if self.pp > 1 else "")
 
 
@@ -192,6 +207,14 @@ def space(setup: Setup) -> Space:
     return out
 
 
+def hybrid_rule(setup: Setup) -> HybridRule:
+    """The hybrid candidates' routing rule, from the SLOs and the decode-heavy chunk ``c`` (512 for ``auto``): a
+    decode-heavy step (at most ``c`` tokens) is taken to fit the TBT SLO, so ``tbt_tokens = c`` and, the TTFT SLO
+    lasting ``ttft / tbt`` such steps, ``ttft_tokens = c * ttft / tbt``; prompts of at most ``c`` tokens are short."""
+    c = setup.decode_chunk if isinstance(setup.decode_chunk, int) else 512
+    return HybridRule(short=c, ttft_tokens=int(c * setup.ttft / setup.tbt), tbt_tokens=c)
+
+
 def _organizations(setup: Setup, n: int, tp: int, pp: int) -> list[Candidate]:
     chunks = [c for c in setup.chunk_sizes if pp == 1 or c != "auto"]
     found = [Candidate(f"{n}C", tp, pp, c) for c in chunks]
@@ -201,6 +224,9 @@ def _organizations(setup: Setup, n: int, tp: int, pp: int) -> list[Candidate]:
             if setup.threshold is not None and x <= n - x:
                 found.append(Candidate(f"{x}P{n - x}D", tp, 1, setup.decode_chunk, setup.prefill_chunk,
                                        setup.threshold))
+            if setup.hybrid:
+                found.append(Candidate(f"{x}PH{n - x}DH", tp, 1, setup.decode_chunk, setup.prefill_chunk,
+                                       hybrid=hybrid_rule(setup)))
     return found
 
 
@@ -217,7 +243,7 @@ def deployment(setup: Setup, cand: Candidate) -> Deployment:
     if cand.colocated:
         return Deployment.parse(cand.layout, cm, chunk_size=cand.chunk_size,
                                 options=scheduler_options(setup, cand.chunk_size))
-    return Deployment.parse(cand.layout, cm, chunk_size=cand.chunk_size, prefill_chunk_size=cand.prefill_chunk,
+    return Deployment.parse(cand.instances_spec, cm, chunk_size=cand.chunk_size, prefill_chunk_size=cand.prefill_chunk,
                             threshold=cand.threshold, link=LINKS[setup.link],
                             options=scheduler_options(setup, cand.chunk_size))
 
@@ -276,8 +302,8 @@ def launch(setup: Setup, cand: Candidate) -> dict[str, Any]:
         serve += ["--data-parallel-size", str(cand.instances)]
     elif not cand.colocated:
         llm["disaggregation"] = (f"Layout.parse({cand.layout!r}, threshold={cand.threshold})"
-                                 if cand.threshold is not None else repr(cand.layout))
-        serve += ["--instances", cand.layout]
+                                 if cand.threshold is not None else repr(cand.instances_spec))
+        serve += ["--instances", cand.instances_spec]
         if cand.threshold is not None:
             serve += ["--conditional-threshold", str(cand.threshold)]
         if cand.prefill_chunk != cand.chunk_size:

@@ -3,9 +3,12 @@
 A *deployment* is either ``N`` colocated replicas (data parallel: every instance prefills and decodes its own
 requests, Sarathi-Serve's organization) or ``xPyD``: ``x`` prefill instances and ``y`` decode instances
 (Splitwise, DistServe), optionally *conditional*: a prompt of at most ``threshold`` tokens is prefilled on a
-decode instance itself and never moves. Each instance has its own cost model (its tensor-parallel degree is the
-cost model's) and its own ``Scheduler`` (``sarathi_lite.scheduler``, the classes the engine runs), so every batch
-decision is the real one; only the forward pass is a predicted step time.
+decode instance itself and never moves; or ``xPHyDH``, a *hybrid* (TaiChi): ``x`` prefill-heavy and ``y``
+decode-heavy colocated instances (the prefill and decode pools, each at its own chunk size), where a request
+moves from a prefill-heavy to a decode-heavy instance once prefilled only when ``routing.HybridRule`` says so at
+its arrival; the others are served whole where they are prefilled. Each instance has its own cost model (its
+tensor-parallel degree is the cost model's) and its own ``Scheduler`` (``sarathi_lite.scheduler``, the classes
+the engine runs), so every batch decision is the real one; only the forward pass is a predicted step time.
 
 How a disaggregated request moves (the same steps as the real engine's, ``scheduler.kv_transfer``). The routing
 and the hand-over are ``sarathi_lite.scheduler.coordinator``'s, which the real engines drive too: the simulator
@@ -59,7 +62,7 @@ from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percent
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
 from sarathi_lite.scheduler.kv_transfer import KVSave
-from sarathi_lite.scheduler.routing import Layout, Load, load_of
+from sarathi_lite.scheduler.routing import HybridRule, Layout, Load, load_of
 from sarathi_lite.sim.simulator import PROMPT_VOCAB, scheduler_config
 
 ROLES = ("colocated", "prefill", "decode")
@@ -105,14 +108,25 @@ measurements."""
 
 
 class _SendEverything:
-    """The scheduler-side connector of a prefill instance: it supplies nothing and sends every finished
-    request's KV (its blocks held until ``finish_kv_send``)."""
+    """A scheduler-side connector that supplies nothing and sends every finished request's KV (its blocks held
+    until ``finish_kv_send``)."""
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         return 0
 
     def request_finished(self, request: Request) -> bool:
         return True
+
+
+class _SendMarked(_SendEverything):
+    """The connector of a prefill (or prefill-heavy) instance: it sends the KV of the finished requests added
+    prefill only (``marked``) only."""
+
+    def __init__(self) -> None:
+        self.marked: set[str] = set()
+
+    def request_finished(self, request: Request) -> bool:
+        return request.request_id in self.marked
 
 
 @dataclass(slots=True)
@@ -148,6 +162,8 @@ class Deployment:
 
     threshold: conditional disaggregation: prompts of at most this many tokens are prefilled on a decode
         instance (``None``: every prompt goes through a prefill instance).
+    hybrid: a hybrid deployment's rule (``routing.HybridRule``): the prefill pool is the prefill-heavy instances
+        and the decode pool the decode-heavy ones, all serving requests whole unless the rule moves one.
     num_links: lanes of the link: transfers run one per lane, queueing for the first lane free.
     kv_bytes_per_token: bytes per token each sender moves (``None``: the larger of the two cost models'
         per-rank ``kv_bytes_per_token``).
@@ -160,6 +176,7 @@ class Deployment:
     threshold: int | None = None
     num_links: int = 1
     kv_bytes_per_token: float | None = None
+    hybrid: HybridRule | None = None
 
     def __post_init__(self) -> None:
         disagg = self.prefill is not None or self.decode is not None
@@ -171,6 +188,8 @@ class Deployment:
         if self.threshold is not None and (self.colocated is not None or self.threshold < 0):
             raise ValueError(f"threshold={self.threshold!r}: conditional disaggregation needs a prefill and a "
                              f"decode pool and a threshold >= 0 (prompt tokens)")
+        if self.hybrid is not None and (not disagg or self.threshold is not None):
+            raise ValueError("a hybrid deployment is a prefill-heavy and a decode-heavy pool, without a threshold")
         if isinstance(self.num_links, bool) or not isinstance(self.num_links, int) or self.num_links < 1:
             raise ValueError(f"num_links={self.num_links!r} must be a positive integer")
         if disagg and self.bytes_per_token() is None:
@@ -180,9 +199,10 @@ class Deployment:
     def parse(cls, spec: str, cost_model: CostModel, *, prefill_cost_model: CostModel | None = None,
               decode_cost_model: CostModel | None = None, policy: str = "sarathi", chunk_size: int | str | None = 512,
               prefill_chunk_size: int | str | None = None, threshold: int | None = None, **kwargs: Any) -> Deployment:
-        """A deployment from ``"4"`` or ``"4C"`` (colocated replicas) or ``"2P1D"`` (2 prefill, 1 decode
-        instances) on ``cost_model`` (or the per-role ones). ``prefill_chunk_size``: the prefill instances' budget
-        (default ``chunk_size``); decode instances and replicas use ``chunk_size``. kwargs: ``Deployment`` fields
+        """A deployment from ``"4"`` or ``"4C"`` (colocated replicas), ``"2P1D"`` (2 prefill, 1 decode instances)
+        or ``"1PH1DH"`` (a hybrid, ``routing.Layout.parse``) on ``cost_model`` (or the per-role ones).
+        ``prefill_chunk_size``: the prefill (prefill-heavy) instances' budget (default ``chunk_size``); decode
+        (decode-heavy) instances and replicas use ``chunk_size``. kwargs: ``Deployment`` fields
         (``link``, ``num_links``, ...) and ``options`` for every pool's scheduler config."""
         options = kwargs.pop("options", {})
         layout = Layout.parse(spec, threshold)
@@ -192,7 +212,7 @@ class Deployment:
         return cls(prefill=PoolSpec("prefill", layout.prefill, prefill_cost_model or cost_model, policy,
                                     prefill_chunk_size or chunk_size, dict(options)),
                    decode=PoolSpec("decode", layout.decode, decode_cost_model or cost_model, policy, chunk_size,
-                                   dict(options)), threshold=threshold, **kwargs)
+                                   dict(options)), threshold=threshold, hybrid=layout.hybrid, **kwargs)
 
     @property
     def pools(self) -> list[PoolSpec]:
@@ -207,11 +227,11 @@ class Deployment:
     def layout(self) -> Layout:
         """How many instances of each role, and the conditional threshold."""
         counts = (p.count if p is not None else 0 for p in (self.colocated, self.prefill, self.decode))
-        return Layout(*counts, threshold=self.threshold)
+        return Layout(*counts, threshold=self.threshold, hybrid=self.hybrid)
 
     @property
     def label(self) -> str:
-        """``Layout.label``: ``"4C"``, ``"2P1D"``, ``"2P1D/cond64"``."""
+        """``Layout.label``: ``"4C"``, ``"2P1D"``, ``"2P1D/cond64"``, ``"1PH1DH"``."""
         return self.layout.label
 
     def bytes_per_token(self) -> float | None:
@@ -255,14 +275,14 @@ class SimInstance:
     a step runs."""
 
     __slots__ = ("index", "role", "cost_model", "scheduler", "config", "busy", "pending_start", "out", "start",
-                 "timing", "iterations", "name", "requests")
+                 "timing", "iterations", "name", "requests", "sends")
 
     def __init__(self, index: int, role: str, pool: PoolSpec) -> None:
         self.index, self.role, self.cost_model = index, role, pool.cost_model
         self.config = pool.config()
         predictor = pool.cost_model if self.config.auto_budget else None
-        self.scheduler: Scheduler = make_scheduler(self.config, predictor,
-                                                   _SendEverything() if role == "prefill" else None)
+        self.sends = _SendMarked() if role == "prefill" else None
+        self.scheduler: Scheduler = make_scheduler(self.config, predictor, self.sends)
         self.busy = self.pending_start = False
         self.out: SchedulerOutput | None = None
         self.start = 0.0
@@ -276,6 +296,8 @@ class SimInstance:
 
     def add(self, record: RequestRecord, prefill_only: bool, num_external_tokens: int, hold: Hold | None) -> None:
         spec, prompt = record.payload
+        if prefill_only:
+            self.sends.marked.add(record.request_id)
         self.scheduler.add(Request(record.request_id, prompt, 1 if prefill_only else spec.output_len, frozenset(),
                                    spec.arrival_time), num_external_tokens)
 
@@ -440,11 +462,13 @@ class _Sim:
         finished = sched.update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
         sched.observe(out, inst.timing.step_time, t)
         self.record(inst, out, inst.start, inst.start + inst.timing.schedule_time, t)
-        if inst.role == "prefill":
-            for save in sched.take_kv_saves():
-                self.hand_over(t, save)
-        else:
-            for req in finished:
+        saves = sched.take_kv_saves() if inst.sends is not None else []
+        for save in saves:
+            inst.sends.marked.discard(save.request_id)
+            self.hand_over(t, save)
+        moved = {save.request_id for save in saves}
+        for req in finished:  # served whole here (a decode instance's, a replica's, a hybrid's)
+            if req.request_id not in moved:
                 m = self.metrics[req.request_id]
                 m.finished_time, m.finish_reason = t, req.finish_reason
                 self.coordinator.finish(req.request_id)
@@ -456,14 +480,14 @@ class _Sim:
 
     def record(self, inst: SimInstance, out: SchedulerOutput, start: float, schedule_end: float, end: float) -> None:
         metrics = self.metrics
-        samples = inst.role != "prefill"
+        marked = inst.sends.marked if inst.sends is not None else ()  # prefilled only: the token is not theirs
         self.count_preemptions(out)
         for s in out.scheduled:
             m = metrics[s.request_id]
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = start
                 m.num_cached_tokens = s.num_computed_tokens
-            if s.sample and samples:
+            if s.sample and s.request_id not in marked:
                 if m.first_token_time is None:
                     m.first_token_time = end
                 m.token_times.append(end)

@@ -1,6 +1,8 @@
 """The hand-over of requests between instances, written once for every deployment (torch-free).
 
-A deployment is colocated replicas, or prefill and decode instances (``routing.Layout``). The simulator
+A deployment is colocated replicas, prefill and decode instances, or a hybrid of prefill-heavy and decode-heavy
+colocated instances (``routing.Layout``; in a hybrid the prefill role is the prefill-heavy instances, the decode
+role the decode-heavy ones). The simulator
 (``sarathi_lite.sim.disagg``), the in-process engines (``sarathi_lite.engine.disagg``) and the instance processes
 (``sarathi_lite.engine.instances``) each give their instances to one ``Coordinator`` as ``Instance`` objects and
 tell it what happened; they differ only in how an instance steps and how K/V moves.
@@ -14,10 +16,14 @@ How a request moves (``Coordinator``):
    instance with the fewest KV blocks in use or wanted, which gets the request with ``num_external_tokens =
    prompt_len - 1`` (it computes the last prompt token itself, to sample the first token with the request's own
    parameters, so greedy outputs equal one engine's);
+   in a hybrid layout ``routing.route_hybrid`` decides at arrival where the request goes and whether it moves
+   (``RequestRecord.prefill_only``): only a request that moves is added prefill only to its prefill-heavy
+   instance; the others are added in full and decode where they were prefilled (the deployment tells them apart
+   by ``prefill_only`` when they finish there);
 3. ``release``: the decode side has the K/V (or needs it no more): the prefill instance lets the held blocks go;
 4. ``finish``: the request ended (finished, aborted, failed): its record goes and any hold is released;
 5. ``lost``: an instance is gone: the K/V it held is forgotten (a decode side waiting for it recomputes), the
-   prompts it was prefilling are routed again, the requests it decoded end.
+   prompts it was prefilling only are routed again, the requests it served in full end.
 
 The coordinator keeps the per-request records (``RequestRecord``: where a request is now, what the deployment
 adds it with) and the routes (request id -> the instances it went through, e.g. ``["prefill0", "decode1"]``).
@@ -30,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from .routing import COLOCATED, DECODE, PREFILL, Layout, Load, pick_decode_by_load, route_by_load
+from .routing import COLOCATED, DECODE, PREFILL, Layout, Load, pick_decode_by_load, route_by_load, route_hybrid
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +57,15 @@ class Refused(RuntimeError):
 @dataclass(slots=True, eq=False)
 class RequestRecord:
     """One unfinished request: ``prompt_len`` prompt tokens, ``arrival`` time, ``payload`` (what the deployment
-    adds it with: its prompt and sampling parameters, opaque here), and the instance it is on (``where``)."""
+    adds it with: its prompt and sampling parameters, opaque here), the instance it is on (``where``) and whether
+    it was added there prefill only (``prefill_only``: it is to be handed over once prefilled)."""
 
     request_id: str
     prompt_len: int
     arrival: float
     payload: Any
     where: Instance | None = None
+    prefill_only: bool = False
 
 
 class Hold(NamedTuple):
@@ -128,32 +136,45 @@ class Coordinator:
             raise
 
     def place(self, record: RequestRecord) -> Instance:
-        """Add ``record`` to the instance the router picks (prefill only on a prefill instance); an instance
-        found gone on the way is routed around. Raises ``NoInstanceLeft`` when none can take it."""
+        """Add ``record`` to the instance the router picks (prefill only on a prefill instance, or on a prefill-heavy
+        one when the hybrid rule moves it); an instance found gone on the way is routed around. Raises
+        ``NoInstanceLeft`` when none can take it."""
         for _ in range(self.num_instances):
-            loads = [[i.load() for i in self.instances[role]] for role in (COLOCATED, PREFILL, DECODE)]
             try:
-                role, index = route_by_load(record.prompt_len, self.layout, *loads)
+                role, index, prefill_only = self.route(record.prompt_len)
             except RuntimeError as e:
                 raise NoInstanceLeft(str(e)) from None
             inst = self.instances[role][index]
             try:
-                inst.add(record, role == PREFILL, 0, None)
+                inst.add(record, prefill_only, 0, None)
             except InstanceGone:
                 continue
+            record.prefill_only = prefill_only
             self._put(record, inst)
             return inst
         raise NoInstanceLeft(f"no instance took request {record.request_id!r}")
 
+    def route(self, prompt_len: int) -> tuple[str, int, bool]:
+        """Where a request of ``prompt_len`` prompt tokens goes now, ``(role, index, prefill_only)``, by the layout's
+        rule on the instances' loads (``routing.route_by_load``, ``routing.route_hybrid``)."""
+        loads = {role: [i.load() for i in self.instances[role]] for role in (COLOCATED, PREFILL, DECODE)}
+        if self.layout.hybrid is not None:
+            return route_hybrid(prompt_len, self.layout.hybrid, loads[PREFILL], loads[DECODE])
+        role, index = route_by_load(prompt_len, self.layout, loads[COLOCATED], loads[PREFILL], loads[DECODE])
+        return role, index, role == PREFILL
+
     def hand_over(self, request_id: str, token: Any = None, now: float = 0.0) -> Instance:
         """The prefill instance of ``request_id`` finished its prompt and holds its K/V under ``token``: add the
-        request to the decode instance the router picks (another one if that one is found gone). Raises
-        ``NoInstanceLeft`` (the hold stays: ``finish`` releases it) when no decode instance takes it."""
+        request to the decode instance the router picks (another one if that one is found gone). In a hybrid
+        layout with no decode-heavy instance left, the hold is released and the request placed again (``place``:
+        served whole on a prefill-heavy instance; no output of it came out yet). Raises ``NoInstanceLeft`` (the
+        hold stays: ``finish`` releases it) when no instance takes it."""
         record = self.requests[request_id]
         source = record.where
-        assert source is not None and source.role == PREFILL, f"{request_id!r} is not on a prefill instance"
+        assert source is not None and source.role == PREFILL and record.prefill_only, \
+            f"{request_id!r} is not prefilled only on a prefill instance"
         source.requests.discard(request_id)
-        record.where = None
+        record.where, record.prefill_only = None, False
         hold = self.held[request_id] = Hold(source, token, now)
         decode = self.instances[DECODE]
         error = "no decode instance is left"
@@ -172,6 +193,9 @@ class Coordinator:
                 break
             self._put(record, target)
             return target
+        if self.layout.hybrid is not None and all(i.load() is None for i in decode):
+            self.release(request_id)
+            return self.place(record)
         raise NoInstanceLeft(error)
 
     def release(self, request_id: str) -> Hold | None:
@@ -203,8 +227,8 @@ class Coordinator:
 
     def lost(self, inst: Instance, end: Callable[[RequestRecord, BaseException | None], None]) -> None:
         """``inst`` is gone (its ``load()`` is ``None`` from now on): the K/V it held is forgotten (a decode side
-        waiting for it recomputes), its unfinished prompts (a prefill instance's) are placed again, and its other
-        requests end: ``end(record, why)`` is called for each before it is forgotten (``why``: the error of a
+        waiting for it recomputes), its requests added prefill only are placed again, and its other requests
+        end: ``end(record, why)`` is called for each before it is forgotten (``why``: the error of a
         failed rerouting, or ``None``)."""
         for rid, hold in list(self.held.items()):
             if hold.source is inst:
@@ -212,10 +236,11 @@ class Coordinator:
         for rid in sorted(inst.requests):
             inst.requests.discard(rid)
             record = self.requests[rid]
-            record.where = None
+            again = record.prefill_only  # no output of it came out: it can start over elsewhere
+            record.where, record.prefill_only = None, False
             self.release(rid)
             why: BaseException | None = None
-            if inst.role == PREFILL:
+            if again:
                 logger.warning("request %r: its prefill instance %s is gone; routing it again", rid, inst.name)
                 try:
                     self.place(record)
