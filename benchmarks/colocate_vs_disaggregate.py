@@ -43,7 +43,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sarathi_lite.bench.results import host
@@ -57,6 +57,14 @@ TBT_SLOS = (0.015, 0.025, 0.05, 0.1)
 COLOCATED_CHUNKS = (256, 512, 1024, 2048)
 PREFILL_CHUNK = 2048
 DECODE_CHUNK = 512
+AUTO_PERCENTILE = 99.0
+HYBRID_RULES = {"move": "short=512,ttft=4096,tbt=0", "fit": "short=512,ttft=4096,tbt=2048",
+                "stay": "short=512,ttft=4096,tbt=1000000000"}
+"""The hybrid's routing rules (``routing.HybridRule``), the same at every SLO cell: prompts of at most 512 tokens
+are prefilled on a decode-heavy instance while its queue plus the prompt stay within 4,096 tokens; the others are
+prefilled on a prefill-heavy instance and then ``move`` to a decode-heavy one always, or when that instance's
+queue plus the prompt exceed one prefill-heavy chunk (``fit``: the request stays when its prefill fits the next
+step), or never (``stay``: a colocated deployment with two chunk sizes and routing by length)."""
 SETUPS = {
     "llama3-8b": ("roofline:h100:llama3-8b", 2.0),
     "llama3-70b-tp4": ("roofline:4xh100:llama3-70b", 0.25),
@@ -71,14 +79,16 @@ logger = logging.getLogger("colocate_vs_disaggregate")
 
 @dataclass(slots=True)
 class Family:
-    """The organizations of one family (``colocated`` or ``disaggregated``) and their sweeps."""
+    """The organizations of one family (``colocated``, ``disaggregated`` or ``hybrid``) and their sweeps;
+    ``only``: sweep label -> the one TBT SLO it counts at (``auto``'s budget is sized to that SLO)."""
 
     name: str
     sweeps: list[RateSweep]
+    only: dict[str, float] = field(default_factory=dict)
 
     def best(self, ttft: float, tbt: float) -> tuple[str, float]:
         """``(label, goodput per GPU)`` of the best organization at a cell; ``("-", 0)`` when there is none."""
-        scored = [(s.goodput(ttft, tbt), s.label) for s in self.sweeps]
+        scored = [(s.goodput(ttft, tbt), s.label) for s in self.sweeps if self.only.get(s.label, tbt) == tbt]
         if not scored:
             return "-", 0.0
         good, label = max(scored)
@@ -102,9 +112,27 @@ def organizations(cm: CostModel, num_gpus: int, link: Link, threshold: int) -> t
     return colocated, disagg
 
 
+def auto_replicas(cm: CostModel, num_gpus: int) -> list[tuple[float, Deployment]]:
+    """``(TBT SLO, deployment)``: colocated replicas at ``chunk_size="auto"`` aimed at each TBT SLO (P99)."""
+    n = num_gpus // int(getattr(cm, "tensor_parallel_size", 1))
+    return [(tbt, Deployment.parse(f"{n}C", cm, chunk_size="auto",
+                                   options={**OPTIONS, "tbt_slo": tbt, "tbt_percentile": AUTO_PERCENTILE}))
+            for tbt in TBT_SLOS] if n >= 1 else []
+
+
+def hybrids(cm: CostModel, num_gpus: int, link: Link) -> list[Deployment]:
+    """Every ``xPHyDH`` split under each rule of ``HYBRID_RULES``: prefill-heavy instances at ``PREFILL_CHUNK``,
+    decode-heavy ones at ``DECODE_CHUNK``, all colocated."""
+    n = num_gpus // int(getattr(cm, "tensor_parallel_size", 1))
+    return [Deployment.parse(f"{x}PH{n - x}DH/{rule}", cm, chunk_size=DECODE_CHUNK, prefill_chunk_size=PREFILL_CHUNK,
+                             link=link, options=OPTIONS)
+            for x in range(1, n) for rule in HYBRID_RULES.values()]
+
+
 def label_of(dep: Deployment) -> str:
     if dep.colocated is not None:
-        return f"{dep.label}@{dep.colocated.chunk_size}"
+        auto = dep.colocated.options.get("tbt_slo") if dep.colocated.chunk_size == "auto" else None
+        return f"{dep.label}@{dep.colocated.chunk_size}" + (f"/{auto * 1000:g}ms" if auto else "")
     return dep.label
 
 
@@ -121,45 +149,58 @@ def sweep(dep: Deployment, workload: Workload, lowest: float, min_requests: int,
     return RateSweep(label_of(dep), dep.num_gpus, rates, results)
 
 
-def cell_map(colocated: Family, disagg: Family) -> dict[str, Any]:
-    """Per SLO cell: the best of each family, their goodputs per GPU, the winner and the ratio."""
+def cell_map(colocated: Family, disagg: Family, hybrid: Family | None = None) -> dict[str, Any]:
+    """Per SLO cell: the best of each family, their goodputs per GPU, the winner and the ratio (disaggregated /
+    colocated); with ``hybrid``: its best, its goodput and ``hybrid_ratio`` (hybrid / the better of the other
+    two), and ``winner3`` among the three."""
     cells = {}
     for ttft in TTFT_SLOS:
         for tbt in TBT_SLOS:
             c_label, c_good = colocated.best(ttft, tbt)
             d_label, d_good = disagg.best(ttft, tbt)
             ratio = d_good / c_good if c_good > 0 else (math.inf if d_good > 0 else None)
-            if ratio is None:
-                winner = "none"
-            elif ratio > 1 + TIE:
-                winner = d_label
-            elif ratio < 1 - TIE:
-                winner = c_label
-            else:
-                winner = "tie"
-            cells[f"{ttft}/{tbt}"] = {"ttft": ttft, "tbt": tbt, "colocated": c_label, "colocated_goodput": c_good,
-                                      "disaggregated": d_label, "disaggregated_goodput": d_good,
-                                      "ratio": None if ratio is None or math.isinf(ratio) else ratio,
-                                      "winner": winner}
+            cell = {"ttft": ttft, "tbt": tbt, "colocated": c_label, "colocated_goodput": c_good,
+                    "disaggregated": d_label, "disaggregated_goodput": d_good,
+                    "ratio": None if ratio is None or math.isinf(ratio) else ratio,
+                    "winner": _winner(ratio, d_label, c_label)}
+            if hybrid is not None:
+                h_label, h_good = hybrid.best(ttft, tbt)
+                o_label, o_good = max((c_good, c_label), (d_good, d_label))[::-1]
+                h_ratio = h_good / o_good if o_good > 0 else (math.inf if h_good > 0 else None)
+                cell.update(hybrid=h_label, hybrid_goodput=h_good,
+                            hybrid_ratio=None if h_ratio is None or math.isinf(h_ratio) else h_ratio,
+                            winner3=_winner(h_ratio, h_label, o_label))
+            cells[f"{ttft}/{tbt}"] = cell
     return cells
 
 
-def map_markdown(cells: dict[str, Any]) -> str:
-    """The map: rows TTFT SLO, columns TBT SLO, each cell ``winner (D/C goodput ratio)``."""
+def _winner(ratio: float | None, challenger: str, incumbent: str) -> str:
+    """``challenger`` if ``ratio`` (its goodput over ``incumbent``'s) is above ``1 + TIE``, ``incumbent`` if below
+    ``1 - TIE``, else ``"tie"``; ``"none"`` when neither serves anything."""
+    if ratio is None:
+        return "none"
+    if ratio > 1 + TIE:
+        return challenger
+    return incumbent if ratio < 1 - TIE else "tie"
+
+
+def map_markdown(cells: dict[str, Any], key: str = "ratio", winner: str = "winner") -> str:
+    """The map: rows TTFT SLO, columns TBT SLO, each cell ``winner (ratio)``: disaggregated / colocated goodput
+    (default), or with ``key="hybrid_ratio", winner="winner3"`` hybrid / the best of the other two."""
     head = "| TTFT \\ P99 TBT | " + " | ".join(f"{t * 1000:g} ms" for t in TBT_SLOS) + " |"
     lines = [head, "|" + "---|" * (len(TBT_SLOS) + 1)]
     for ttft in TTFT_SLOS:
         row = []
         for tbt in TBT_SLOS:
             c = cells[f"{ttft}/{tbt}"]
-            ratio = c["ratio"]
+            ratio = c[key]
             text = "-" if ratio is None else f"{ratio:.2f}x"
-            if c["winner"] == "none":
+            if c[winner] == "none":
                 row.append("none")
             elif ratio is None:
-                row.append(f"**{c['winner']}** (C: 0)")
+                row.append(f"**{c[winner]}** (0)")
             else:
-                row.append(f"**{c['winner']}** {text}" if c["winner"] not in ("tie",) else f"tie {text}")
+                row.append(f"**{c[winner]}** {text}" if c[winner] != "tie" else f"tie {text}")
         lines.append(f"| {ttft:g} s | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -171,7 +212,8 @@ def cost_spec(setup: str, uncalibrated: bool = False) -> str:
 
 
 def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: Link, threshold: int,
-              limits: tuple[int, int], uncalibrated: bool = False) -> dict[str, Any] | None:
+              limits: tuple[int, int], uncalibrated: bool = False, auto: bool = False, hybrid: bool = False
+              ) -> dict[str, Any] | None:
     spec, lowest = cost_spec(setup, uncalibrated), SETUPS[setup][1]
     cm = load_cost_model(spec)
     colocated, disagg = organizations(cm, num_gpus, link, threshold)
@@ -179,15 +221,21 @@ def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: L
         return None
     wall = time.perf_counter()
     c_sweeps = [sweep(d, workload, lowest, *limits) for d in colocated]
+    only = {}
+    for tbt, d in auto_replicas(cm, num_gpus) if auto else ():
+        c_sweeps.append(sweep(d, workload, lowest, *limits))
+        only[c_sweeps[-1].label] = tbt
     d_sweeps = [sweep(d, workload, lowest, *limits) for d in disagg]
-    cells = cell_map(Family("colocated", c_sweeps), Family("disaggregated", d_sweeps))
-    logger.info("%s %s %d GPUs: %d organizations in %.0f s", setup, trace, num_gpus, len(colocated) + len(disagg),
-                time.perf_counter() - wall)
+    h_sweeps = [sweep(d, workload, lowest, *limits) for d in hybrids(cm, num_gpus, link)] if hybrid else []
+    cells = cell_map(Family("colocated", c_sweeps, only), Family("disaggregated", d_sweeps),
+                     Family("hybrid", h_sweeps) if h_sweeps else None)
+    logger.info("%s %s %d GPUs: %d organizations in %.0f s", setup, trace, num_gpus,
+                len(c_sweeps) + len(d_sweeps) + len(h_sweeps), time.perf_counter() - wall)
     return {"setup": setup, "cost_model": spec, "trace": trace, "num_gpus": num_gpus, "cells": cells,
             "sweeps": {s.label: {"rates": s.rates, "attainment": {f"{a}/{b}": s.attainment(a, b)
                                                                   for a in TTFT_SLOS for b in TBT_SLOS},
                                  "transfer_time_p50": [r.summary()["transfer_time_p50"] for r in s.results]}
-                       for s in c_sweeps + d_sweeps},
+                       for s in c_sweeps + d_sweeps + h_sweeps},
             "_objects": (cm, colocated, disagg, c_sweeps, d_sweeps, limits)}
 
 
@@ -257,6 +305,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--uncalibrated", action="store_true",
                    help="price steps with the analytic roofline formula (roofline-uncalibrated:), as the maps made "
                         "before the calibration did")
+    p.add_argument("--auto", action="store_true",
+                   help="also colocated replicas at chunk_size='auto' (P99), one per TBT SLO, each counted at its own")
+    p.add_argument("--hybrid", action="store_true",
+                   help="a third organization: every xPHyDH split under each rule of HYBRID_RULES; a second map, "
+                        "hybrid against the best of the other two")
+    p.add_argument("--no-bandwidth-sweep", action="store_true", help="skip the link bandwidth sweep")
     p.add_argument("--quick", action="store_true", help="8B, conversation, 2 GPUs, 100 requests, 3 bandwidths")
     p.add_argument("--out", default="benchmarks/results/colocate_vs_disaggregate.json")
     args = p.parse_args(argv)
@@ -277,17 +331,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for trace in args.traces:
             for g in args.gpus:
                 entry = run_setup(setup, trace, g, workloads[trace], link, args.threshold,
-                                  (args.requests, args.max_requests), args.uncalibrated)
+                                  (args.requests, args.max_requests), args.uncalibrated, args.auto, args.hybrid)
                 if entry is None:
                     continue
                 entries.append(entry)
                 print(f"\n### {setup}, {trace}, {g} GPUs (winner, best disaggregated / best colocated goodput)\n")
                 print(map_markdown(entry["cells"]))
+                if args.hybrid:
+                    print(f"\n### {setup}, {trace}, {g} GPUs (winner of three, best hybrid / the best other)\n")
+                    print(map_markdown(entry["cells"], "hybrid_ratio", "winner3"))
     setup, trace, gpus, cell = args.sweep_at
     target = next((e for e in entries if (e["setup"], e["trace"], e["num_gpus"]) == (setup, trace, int(gpus))),
                   None)
     sweep_result = None
-    if target is not None:
+    if target is not None and not args.no_bandwidth_sweep:
         at = None if cell == "auto" else tuple(float(x) for x in cell.split("/"))
         sweep_result = bandwidth_sweep(target, workloads[trace], [b * 1e9 for b in args.bandwidths], at)
         print("\n### Transfer bandwidth sweep\n")

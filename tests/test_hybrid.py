@@ -17,9 +17,10 @@ from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
 from sarathi_lite.scheduler.routing import DECODE, PREFILL, HybridRule, Layout, route_hybrid
 
-RULE = HybridRule(short=8, ttft_tokens=30, tbt_tokens=0)
+RULE = HybridRule(short=8, ttft_tokens=30, tbt_tokens=20)
 """The tests' rule: prompts of at most 8 tokens may go to a decode-heavy instance, within 30 pending tokens
-there; a prefill-heavy instance with any prompt pending moves the requests that arrive on it."""
+there; a request on a prefill-heavy instance stays there while that instance's pending prompt tokens and its own
+are at most 20, and moves after its prefill otherwise."""
 
 
 # ---------------------------------------------------------------------- the rule, torch-free
@@ -28,6 +29,7 @@ def test_short_prompts_within_ttft_slack_go_to_a_decode_heavy_instance():
     # (pending prefill tokens, KV demand) per instance
     assert route_hybrid(8, RULE, [(0, 0)], [(0, 0)]) == (DECODE, 0, False)
     assert route_hybrid(9, RULE, [(0, 0)], [(0, 0)]) == (PREFILL, 0, False)  # long: prefill-heavy, stays
+    assert route_hybrid(9, RULE, [(12, 0)], [(0, 0)]) == (PREFILL, 0, True)  # 12 + 9 > 20: it moves
     assert route_hybrid(8, RULE, [(0, 0)], [(22, 0)]) == (DECODE, 0, False)  # 22 + 8 <= 30
     assert route_hybrid(8, RULE, [(0, 0)], [(23, 0)]) == (PREFILL, 0, False)  # 23 + 8 > 30: no TTFT slack
     assert route_hybrid(8, RULE, [(0, 0)], [(22, 0), (20, 5)]) == (DECODE, 1, False)  # the least pending
@@ -36,8 +38,10 @@ def test_short_prompts_within_ttft_slack_go_to_a_decode_heavy_instance():
 
 def test_a_request_moves_when_its_prefill_heavy_instance_would_break_its_tbt():
     rule = HybridRule(short=0, ttft_tokens=0, tbt_tokens=100)
-    assert route_hybrid(50, rule, [(100, 0)], [(0, 0)]) == (PREFILL, 0, False)  # 100 pending: steps within TBT
-    assert route_hybrid(50, rule, [(101, 0)], [(0, 0)]) == (PREFILL, 0, True)  # more: its decode moves
+    assert route_hybrid(50, rule, [(50, 0)], [(0, 0)]) == (PREFILL, 0, False)  # 50 + 50: steps within TBT
+    assert route_hybrid(50, rule, [(51, 0)], [(0, 0)]) == (PREFILL, 0, True)  # more: its decode moves
+    assert route_hybrid(101, rule, [(0, 0)], [(0, 0)]) == (PREFILL, 0, True)  # its own prompt is more
+    assert route_hybrid(1, HybridRule(0, 0, 0), [(0, 0)], [(0, 0)]) == (PREFILL, 0, True)  # 0: every one moves
     assert route_hybrid(50, rule, [(300, 0), (101, 9)], [(0, 0)]) == (PREFILL, 1, True)
     assert route_hybrid(50, rule, [(300, 0)], [None]) == (PREFILL, 0, False)  # no decode-heavy left: stays
     assert route_hybrid(5000, rule, [None], [(900, 0)]) == (DECODE, 0, False)  # no prefill-heavy left
@@ -46,8 +50,8 @@ def test_a_request_moves_when_its_prefill_heavy_instance_would_break_its_tbt():
 
 
 def test_the_rule_is_documented_with_its_exact_numbers():
-    # short and ttft bounds are inclusive, tbt is "more than"
-    rule = HybridRule(short=10, ttft_tokens=20, tbt_tokens=5)
+    # short and ttft bounds are inclusive, tbt is "more than" (pending plus the prompt)
+    rule = HybridRule(short=10, ttft_tokens=20, tbt_tokens=15)
     assert route_hybrid(10, rule, [(5, 0)], [(10, 0)]) == (DECODE, 0, False)
     assert route_hybrid(10, rule, [(5, 0)], [(11, 0)]) == (PREFILL, 0, False)
     assert route_hybrid(10, rule, [(6, 0)], [(11, 0)]) == (PREFILL, 0, True)
@@ -63,7 +67,7 @@ def test_parse_and_label_round_trip(layout):
 
 def test_spec_forms():
     assert Layout.parse("1PH1DH").label == "1PH1DH" and Layout.parse("1PH1DH").hybrid == HybridRule()
-    assert Layout.parse("2PH1DH/short=8,ttft=30,tbt=0") == Layout(prefill=2, decode=1, hybrid=RULE)
+    assert Layout.parse("2PH1DH/short=8,ttft=30,tbt=20") == Layout(prefill=2, decode=1, hybrid=RULE)
     assert Layout.parse("1PH2DH/tbt=64").label == "1PH2DH/short=256,ttft=2048,tbt=64"
 
 
@@ -118,8 +122,8 @@ def test_the_coordinator_adds_in_full_or_prefill_only_by_the_rule_and_hands_over
     (p0,), (d0,) = stubs = [Stub(PREFILL, 0)], [Stub(DECODE, 0)]
     coord = Coordinator(layout, {PREFILL: stubs[0], DECODE: stubs[1]})
     assert coord.arrive("short", 4, 0.0, None) is d0
-    assert coord.arrive("stays", 20, 0.0, None) is p0  # p0 had nothing pending
-    assert coord.arrive("moves", 20, 0.0, None) is p0  # now 20 pending > tbt_tokens=0
+    assert coord.arrive("stays", 20, 0.0, None) is p0  # p0 had nothing pending: 0 + 20 <= 20
+    assert coord.arrive("moves", 20, 0.0, None) is p0  # now 20 pending + 20 > tbt_tokens=20
     assert [coord.requests[r].prefill_only for r in ("short", "stays", "moves")] == [False, False, True]
     assert p0.added == [("stays", False, 0), ("moves", True, 0)] and d0.added == [("short", False, 0)]
     with pytest.raises(AssertionError, match="'stays' is not prefilled only"):
@@ -182,7 +186,7 @@ def test_the_simulator_serves_a_hybrid_with_both_kinds_of_paths():
 # ---------------------------------------------------------------------- the real engines
 
 OPTIONS = dict(chunk_size=16, block_size=4, num_kv_blocks=128, device="cpu", attention_backend="torch")
-SPEC = "1PH2DH/short=8,ttft=30,tbt=0"
+SPEC = "1PH2DH/short=8,ttft=30,tbt=48"
 MAX_STEPS = 200
 
 
@@ -235,7 +239,7 @@ def test_in_process_greedy_outputs_equal_one_engines(tiny_checkpoints, reference
 def test_in_process_aborts_in_every_state_leave_every_pool_whole(tiny_checkpoints):
     from sarathi_lite import SamplingParams
     from sarathi_lite.engine.disagg import DisaggregatedEngine
-    engine = DisaggregatedEngine(tiny_checkpoints["llama"], instances="1PH1DH/short=8,ttft=30,tbt=0", **OPTIONS)
+    engine = DisaggregatedEngine(tiny_checkpoints["llama"], instances="1PH1DH/short=8,ttft=30,tbt=40", **OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     long = list(range(3, 43))
     engine.add_request("whole", list(range(3, 13)), params)  # 10 tokens: served whole on prefill0
@@ -378,7 +382,7 @@ def test_with_every_decode_heavy_instance_lost_the_prefill_heavy_one_serves_ever
                                                                                           reference):
     from sarathi_lite.engine.instances import ProcessEngine
     from tests.test_engine_disagg_procs import assert_pools_whole
-    engine = ProcessEngine(tiny_checkpoints["llama"], instances="1PH1DH/short=8,ttft=30,tbt=0", **OPTIONS)
+    engine = ProcessEngine(tiny_checkpoints["llama"], instances="1PH1DH/short=8,ttft=30,tbt=40", **OPTIONS)
     try:
         victim = engine.instances["decode"][0]
         for i, p in enumerate(prompts()):

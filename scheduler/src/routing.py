@@ -52,11 +52,12 @@ class HybridRule:
        there and never moves. Every other prompt goes to the prefill-heavy instance with the fewest pending prefill
        tokens (then the lowest index).
     2. *decodes by TBT slack*: a request prefilled on a prefill-heavy instance moves to a decode-heavy instance
-       once prefilled (its K/V handed over as a prefill instance's) when that prefill-heavy instance has more than
-       ``tbt_tokens`` prefill tokens pending ahead of it at its arrival: ``tbt_tokens`` is what one step may carry
-       within the TBT SLO, and an instance with that backlog runs chunks above it (a prefill-heavy instance's
-       chunk is larger by design), so the request's decode there would miss the TBT SLO. Otherwise it decodes
-       where it was prefilled (no transfer). The decode-heavy instance it moves to is the one with the fewest KV
+       once prefilled (its K/V handed over as a prefill instance's) when the prefill tokens that instance has
+       pending at its arrival plus its own prompt are more than ``tbt_tokens``: ``tbt_tokens`` is what one step
+       may carry within the TBT SLO, and work beyond it means steps above it (a prefill-heavy instance's chunk is
+       larger by design) while the request would decode there, so its decode would miss the TBT SLO. Otherwise
+       it decodes where it was prefilled (no transfer). ``tbt_tokens=0``: every request prefilled on a
+       prefill-heavy instance moves (while a decode-heavy instance is left). The decode-heavy instance it moves to is the one with the fewest KV
        blocks in use or wanted (``pick_decode_by_load``), as after a disaggregated prefill.
 
     With every decode-heavy instance gone nothing moves and every prompt goes to a prefill-heavy instance; with
@@ -188,7 +189,7 @@ def route_hybrid(prompt_len: int, rule: HybridRule, prefill: Sequence[Load], dec
     if not live_prefill:
         raise RuntimeError("no prefill-heavy or decode-heavy instance is left to take the request")
     pending, index = min(live_prefill)
-    return PREFILL, index, bool(live_decode) and pending > rule.tbt_tokens
+    return PREFILL, index, bool(live_decode) and pending + prompt_len > rule.tbt_tokens
 
 
 def pick_decode_by_load(decode: Sequence[Load]) -> int:
