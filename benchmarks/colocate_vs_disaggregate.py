@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sarathi_lite.bench.results import host
+from sarathi_lite.bench.results import commit, host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.plan.search import PROBE_SECONDS, probe_workload
@@ -349,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sweep_result = bandwidth_sweep(target, workloads[trace], [b * 1e9 for b in args.bandwidths], at)
         print("\n### Transfer bandwidth sweep\n")
         print(sweep_markdown(sweep_result))
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": host(),
+    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": host(), "commit": commit(),
               "command": "python benchmarks/colocate_vs_disaggregate.py " + " ".join(sys.argv[1:] if argv is None
                                                                                      else argv),
               "wall_time": time.perf_counter() - wall, "link": link.name,
