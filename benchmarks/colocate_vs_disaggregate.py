@@ -120,19 +120,31 @@ def auto_replicas(cm: CostModel, num_gpus: int) -> list[tuple[float, Deployment]
             for tbt in TBT_SLOS] if n >= 1 else []
 
 
-def hybrids(cm: CostModel, num_gpus: int, link: Link) -> list[Deployment]:
-    """Every ``xPHyDH`` split under each rule of ``HYBRID_RULES``: prefill-heavy instances at ``PREFILL_CHUNK``,
-    decode-heavy ones at ``DECODE_CHUNK``, all colocated."""
+def hybrids(cm: CostModel, num_gpus: int, link: Link) -> list[tuple[float | None, Deployment]]:
+    """``(TBT SLO or None, deployment)``: every ``xPHyDH`` split under each rule of ``HYBRID_RULES``, prefill-heavy
+    instances at ``PREFILL_CHUNK`` and decode-heavy ones at ``DECODE_CHUNK``, all colocated; and under the
+    ``move`` rule with decode-heavy instances at ``chunk_size="auto"`` aimed at each TBT SLO (P99), counted at that
+    SLO only."""
     n = num_gpus // int(getattr(cm, "tensor_parallel_size", 1))
-    return [Deployment.parse(f"{x}PH{n - x}DH/{rule}", cm, chunk_size=DECODE_CHUNK, prefill_chunk_size=PREFILL_CHUNK,
-                             link=link, options=OPTIONS)
-            for x in range(1, n) for rule in HYBRID_RULES.values()]
+    out: list[tuple[float | None, Deployment]] = [
+        (None, Deployment.parse(f"{x}PH{n - x}DH/{rule}", cm, chunk_size=DECODE_CHUNK,
+                                prefill_chunk_size=PREFILL_CHUNK, link=link, options=OPTIONS))
+        for x in range(1, n) for rule in HYBRID_RULES.values()]
+    for x in range(1, n):
+        for tbt in TBT_SLOS:
+            out.append((tbt, Deployment.parse(f"{x}PH{n - x}DH/{HYBRID_RULES['move']}", cm, chunk_size="auto",
+                                              prefill_chunk_size=PREFILL_CHUNK, link=link,
+                                              options={**OPTIONS, "tbt_slo": tbt,
+                                                       "tbt_percentile": AUTO_PERCENTILE})))
+    return out
 
 
 def label_of(dep: Deployment) -> str:
     if dep.colocated is not None:
         auto = dep.colocated.options.get("tbt_slo") if dep.colocated.chunk_size == "auto" else None
         return f"{dep.label}@{dep.colocated.chunk_size}" + (f"/{auto * 1000:g}ms" if auto else "")
+    if dep.decode is not None and dep.decode.chunk_size == "auto":
+        return f"{dep.label} DH@auto/{dep.decode.options['tbt_slo'] * 1000:g}ms"
     return dep.label
 
 
@@ -226,9 +238,13 @@ def run_setup(setup: str, trace: str, num_gpus: int, workload: Workload, link: L
         c_sweeps.append(sweep(d, workload, lowest, *limits))
         only[c_sweeps[-1].label] = tbt
     d_sweeps = [sweep(d, workload, lowest, *limits) for d in disagg]
-    h_sweeps = [sweep(d, workload, lowest, *limits) for d in hybrids(cm, num_gpus, link)] if hybrid else []
+    h_sweeps, h_only = [], {}
+    for tbt, d in hybrids(cm, num_gpus, link) if hybrid else ():
+        h_sweeps.append(sweep(d, workload, lowest, *limits))
+        if tbt is not None:
+            h_only[h_sweeps[-1].label] = tbt
     cells = cell_map(Family("colocated", c_sweeps, only), Family("disaggregated", d_sweeps),
-                     Family("hybrid", h_sweeps) if h_sweeps else None)
+                     Family("hybrid", h_sweeps, h_only) if h_sweeps else None)
     logger.info("%s %s %d GPUs: %d organizations in %.0f s", setup, trace, num_gpus,
                 len(c_sweeps) + len(d_sweeps) + len(h_sweeps), time.perf_counter() - wall)
     return {"setup": setup, "cost_model": spec, "trace": trace, "num_gpus": num_gpus, "cells": cells,
