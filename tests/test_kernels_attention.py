@@ -157,6 +157,19 @@ def test_what_the_unused_cache_slots_hold_changes_no_bit_of_the_output(block_siz
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
 
 
+def test_a_non_contiguous_cache_is_written_and_read_like_a_contiguous_one():
+    case = make_case(**HYBRID, hq=6, hkv=2, block_size=3)
+    wide = torch.full((*case.cache.shape[:-1], 2 * D), float("nan"))
+    strided = wide[..., :D]
+    strided.copy_(case.cache)
+    assert not strided.is_contiguous()
+    out = TorchPagedAttention(6, 2, D)
+    out.plan(case.meta)
+    got = out.forward(case.q, case.k, case.v, strided)
+    assert torch.equal(got, run(case, 6, 2))
+    torch.testing.assert_close(strided, case.cache, atol=0, rtol=0, equal_nan=True)
+
+
 def test_new_kv_is_written_exactly_at_the_block_table_slots_and_other_blocks_are_untouched():
     case = make_case(**HYBRID, hq=6, hkv=2, block_size=3)
     expected = case.cache.clone()
