@@ -137,6 +137,39 @@ def test_uninitialised_cache_slots_never_reach_the_output():
     torch.testing.assert_close(out, dense_reference(case).float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_what_the_unused_cache_slots_hold_changes_no_bit_of_the_output(block_size, dtype):
+    # one decode bucket padded to its longest context, beside a chunk: the padding columns are masked out, so
+    # the output is bit for bit the same whether the unused slots hold NaN, zeros or large random values
+    q_lens, ctx_lens = [1, 1, 1, 1, 1, 7, 1], [90, 3, 0, 41, 41, 20, 17]
+    outs = []
+    for fill in ("nan", "zero", "random"):
+        case = make_case(q_lens, ctx_lens, hq=6, hkv=2, block_size=block_size, dtype=dtype)
+        unused = case.cache.isnan()
+        if fill == "zero":
+            case.cache[unused] = 0
+        elif fill == "random":
+            case.cache[unused] = (1e3 * torch.randn(int(unused.sum()), generator=torch.Generator().manual_seed(3))
+                                  ).to(dtype)
+        outs.append([run(case, 6, 2, window, bucket_overhead=1e9) for window in (-1, 5)])
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def test_a_non_contiguous_cache_is_written_and_read_like_a_contiguous_one():
+    case = make_case(**HYBRID, hq=6, hkv=2, block_size=3)
+    wide = torch.full((*case.cache.shape[:-1], 2 * D), float("nan"))
+    strided = wide[..., :D]
+    strided.copy_(case.cache)
+    assert not strided.is_contiguous()
+    out = TorchPagedAttention(6, 2, D)
+    out.plan(case.meta)
+    got = out.forward(case.q, case.k, case.v, strided)
+    assert torch.equal(got, run(case, 6, 2))
+    torch.testing.assert_close(strided, case.cache, atol=0, rtol=0, equal_nan=True)
+
+
 def test_new_kv_is_written_exactly_at_the_block_table_slots_and_other_blocks_are_untouched():
     case = make_case(**HYBRID, hq=6, hkv=2, block_size=3)
     expected = case.cache.clone()

@@ -22,8 +22,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return load_flashinfer().norm.rmsnorm(x, weight, eps)
     dtype = x.dtype
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    # Hugging Face's ops and roundings, with one fresh [N, hidden] buffer instead of three (on the CPU a large
+    # allocation costs page faults): x * x is what pow(2) computes, and the products reuse the squares' buffer
+    out = torch.mul(xf, xf)
+    variance = out.mean(-1, keepdim=True)
+    out = torch.mul(xf, torch.rsqrt(variance.add_(eps)), out=out).to(dtype)
+    if weight.dtype == out.dtype:
+        return out.mul_(weight)  # out is a fresh tensor; a product is the same either way round
+    return weight * out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -35,10 +41,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     returns x and residual themselves, overwritten, so callers must not reuse the old values. It adds in float32
     and rounds the new residual once (as the torch path's add does), then normalises the float32 sum, not the
     rounded residual, with one rounding at the end: within about one rounding of x's dtype of the torch path.
+    The torch path adds into x in place (the same sum, bit for bit) and returns it as the new residual, so on
+    either path x's old values are gone after the call.
     """
     if (x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and weight.dtype == x.dtype
             and residual.dtype == x.dtype and use_flashinfer(x, module="norm")):
         load_flashinfer().norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
-    residual = x + residual
+    if x.shape == residual.shape and x.dtype == residual.dtype and not x.requires_grad:
+        residual = x.add_(residual)
+    else:
+        residual = x + residual
     return rms_norm(residual, weight, eps), residual

@@ -14,7 +14,16 @@ Work stays proportional to each request's own context, and grouped-query heads a
   A later chunk gathers its pages, with the query rearranged to ``[Hkv, q_len * group, D]`` and a bottom-right
   causal mask.
 
-Index tensors and masks are built in ``plan()`` once per step; the gather buffers persist across steps, since
+Gathers read the cache as rows: a layer's cache ``[num_blocks, 2, block_size, Hkv, D]`` viewed as
+``[num_blocks * 2 * block_size, Hkv, D]`` has K of (block, slot) at row ``(2 * block) * block_size + slot`` and
+its V ``block_size`` rows further, so ONE ``index_select`` per bucket copies K and V together, exactly the
+bucket's ``kv_len`` columns per request (no page rounding). A padding column past a request's context reads the
+request's own token 0 instead (a written, finite row), so no zero fill is needed: its mask is ``-inf``, its
+softmax weight exactly 0, and the result is bit for bit what zeroed padding gives. The row indices (of the
+gathers and of the new K/V writes) depend only on the step's block tables, so ``plan()`` builds them once per
+step for every layer.
+
+Index tensors and masks are built in ``plan()`` once per step; the gather buffer persists across steps, since
 on CPU a fresh multi-megabyte allocation per layer costs more than the attention itself (page faults).
 """
 
@@ -34,30 +43,28 @@ from .metadata import AttentionMetadata
 class _DecodeBucket:
     """Decodes attended in one SDPA call.
 
-    rows: int64 [b]; their query rows in the flat batch. blocks: int64 [b * P]; their block tables, each padded
-    to P = ceil(kv_len / block_size) pages by repeating its last block. kv_len: the longest context in the bucket.
-    pad_rows: int64 [p]; rows of the gathered ``[b * P * block_size]`` buffer past each request's own
-    context (zeroed after the gather, so stale or uninitialised cache slots cannot turn into NaN).
+    rows: int64 [b]; their query rows in the flat batch. cache_rows: int64 [b * 2 * kv_len]; the cache rows
+    (module docstring) gathered as ``[b, 2 (K, V), kv_len]``, columns past a request's context reading its
+    token 0. kv_len: the longest context in the bucket.
     mask: float32 [b, 1, 1, kv_len] additive (0 or -inf), or None when nothing is masked.
     """
 
     rows: torch.Tensor
-    blocks: torch.Tensor
+    cache_rows: torch.Tensor
     kv_len: int
-    pad_rows: torch.Tensor | None
     mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
 class _Chunk:
-    """One request with ``q_len > 1`` (a prefill chunk): query rows ``start:end``, pages ``blocks`` (int64
-    [num_blocks]), ``kv_len`` cached + new tokens, and ``mask``: float32 [q_len * group, kv_len] additive,
-    rows ordered (query token, head in group); ``None`` for a chunk with nothing cached before it and no
-    window (plain causal attention over its own new K/V, no pages read)."""
+    """One request with ``q_len > 1`` (a prefill chunk): query rows ``start:end``, ``cache_rows`` (int64
+    [2 * kv_len]: its K rows then its V rows, module docstring), ``kv_len`` cached + new tokens, and ``mask``:
+    float32 [q_len * group, kv_len] additive, rows ordered (query token, head in group); ``None`` for a chunk
+    with nothing cached before it and no window (plain causal attention over its own new K/V, no pages read)."""
 
     start: int
     end: int
-    blocks: torch.Tensor | None
+    cache_rows: torch.Tensor | None
     kv_len: int
     mask: torch.Tensor | None
 
@@ -110,8 +117,8 @@ class TorchPagedAttention(AttentionBackend):
         self._buckets: list[_DecodeBucket] = []
         self._chunks: list[_Chunk] = []
         self._masks: dict[torch.dtype, dict[int, torch.Tensor]] = {}
-        self._kbuf = torch.empty(0)
-        self._vbuf = torch.empty(0)
+        self._write_rows = torch.empty(0, dtype=torch.int64)
+        self._buf = torch.empty(0)
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Split the step's requests into decode buckets and prefill chunks; build their indices and masks.
@@ -119,56 +126,63 @@ class TorchPagedAttention(AttentionBackend):
         Runs once per step on the host; everything it builds is copied to ``meta``'s device once.
         """
         super().plan(meta)
-        device = meta.kv_indices.device
-        q_lens, kv_lens, bs = meta.q_lens, meta.kv_lens, meta.block_size
-        kv_indptr, kv_indices = meta.kv_indptr_host.astype(np.int64), meta.kv_indices_host.astype(np.int64)
-        qo_indptr = meta.qo_indptr_host.astype(np.int64)
-        num_pages = kv_indptr[1:] - kv_indptr[:-1]
         self._masks = {}
+        # the new tokens' K rows then their V rows (module docstring), where every layer writes them
+        k_rows = (meta.slot_block * 2) * meta.block_size + meta.slot_offset
+        self._write_rows = torch.cat([k_rows, k_rows + meta.block_size])
+        self._buckets = self._plan_decodes(meta)
+        self._chunks = self._plan_chunks(meta)
 
-        self._buckets = []
-        decodes = np.flatnonzero(q_lens == 1)
+    def _plan_decodes(self, meta: AttentionMetadata) -> list[_DecodeBucket]:
+        device, bs = meta.kv_indices.device, meta.block_size
+        kv_lens, qo_indptr = meta.kv_lens, meta.qo_indptr_host.astype(np.int64)
+        kv_indptr, kv_indices = meta.kv_indptr_host.astype(np.int64), meta.kv_indices_host.astype(np.int64)
+        buckets = []
+        decodes = np.flatnonzero(meta.q_lens == 1)
         for members in bucket_by_length(kv_lens[decodes], self.bucket_overhead):
             req = decodes[members]
             lens = kv_lens[req]
             kv_len = int(lens.max())
-            nb = -(-kv_len // bs)
-            page = np.minimum(np.arange(nb)[None, :], num_pages[req][:, None] - 1)
-            blocks = kv_indices[kv_indptr[req][:, None] + page]
             cols = np.arange(kv_len)[None, :]
             past_end = cols >= lens[:, None]
+            pos = np.where(past_end, 0, cols)  # padding reads the request's own token 0 (masked out)
+            k_rows = (kv_indices[kv_indptr[req][:, None] + pos // bs] * 2) * bs + pos % bs
             allowed = ~past_end
             if self.window_left >= 0:
                 allowed &= cols >= (lens - 1 - self.window_left)[:, None]
-            pad = np.flatnonzero(past_end)  # flat index into [b, kv_len] -> row of the [b * nb * bs] buffer
-            pad = (pad // kv_len) * (nb * bs) + pad % kv_len
-            self._buckets.append(_DecodeBucket(
+            buckets.append(_DecodeBucket(
                 rows=torch.from_numpy(qo_indptr[req]).to(device),
-                blocks=torch.from_numpy(blocks.reshape(-1)).to(device),
+                cache_rows=torch.from_numpy(np.stack([k_rows, k_rows + bs], axis=1).reshape(-1)).to(device),
                 kv_len=kv_len,
-                pad_rows=torch.from_numpy(pad).to(device) if len(pad) else None,
                 mask=None if allowed.all() else _additive(allowed[:, None, None, :], device),
             ))
+        return buckets
 
-        self._chunks = []
-        for i in np.flatnonzero(q_lens > 1):
-            q_len, kv_len = int(q_lens[i]), int(kv_lens[i])
+    def _plan_chunks(self, meta: AttentionMetadata) -> list[_Chunk]:
+        device, bs = meta.kv_indices.device, meta.block_size
+        qo_indptr = meta.qo_indptr_host.astype(np.int64)
+        kv_indptr, kv_indices = meta.kv_indptr_host.astype(np.int64), meta.kv_indices_host.astype(np.int64)
+        chunks = []
+        for i in np.flatnonzero(meta.q_lens > 1):
+            q_len, kv_len = int(meta.q_lens[i]), int(meta.kv_lens[i])
             start, end = int(qo_indptr[i]), int(qo_indptr[i + 1])
             if q_len == kv_len and (self.window_left < 0 or self.window_left >= q_len - 1):
-                self._chunks.append(_Chunk(start=start, end=end, blocks=None, kv_len=kv_len, mask=None))
+                chunks.append(_Chunk(start=start, end=end, cache_rows=None, kv_len=kv_len, mask=None))
                 continue
             pos = np.arange(kv_len - q_len, kv_len)[:, None]
             cols = np.arange(kv_len)[None, :]
             allowed = cols <= pos
             if self.window_left >= 0:
                 allowed &= cols >= pos - self.window_left
-            self._chunks.append(_Chunk(
+            k_rows = (kv_indices[kv_indptr[i] + cols[0] // bs] * 2) * bs + cols[0] % bs
+            chunks.append(_Chunk(
                 start=start,
                 end=end,
-                blocks=torch.from_numpy(kv_indices[kv_indptr[i]:kv_indptr[i + 1]]).to(device),
+                cache_rows=torch.from_numpy(np.concatenate([k_rows, k_rows + bs])).to(device),
                 kv_len=kv_len,
                 mask=_additive(np.repeat(allowed, self.group, axis=0), device),
             ))
+        return chunks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """Write the new K/V into ``kv_cache`` and attend every query row over its own request's pages.
@@ -177,16 +191,13 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim], updated in place.
         Returns [N, num_qo_heads, head_dim] in q's dtype (softmax accumulated in float32 by SDPA's kernels).
         """
-        meta = self.meta
-        kv_cache[meta.slot_block, 0, meta.slot_offset] = k
-        kv_cache[meta.slot_block, 1, meta.slot_offset] = v
+        rows = self._write(kv_cache, k, v)
         out = torch.empty_like(q)
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         for idx, b in enumerate(self._buckets):
             n = len(b.rows)
-            keys, values = self._gather(kv_cache, b.blocks, b.pad_rows)
-            keys = keys.view(n, -1, hkv, d)[:, :b.kv_len].transpose(1, 2)
-            values = values.view(n, -1, hkv, d)[:, :b.kv_len].transpose(1, 2)
+            kv = self._gather(rows, b.cache_rows).view(n, 2, b.kv_len, hkv, d)
+            keys, values = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
             query = q.index_select(0, b.rows).view(n, hkv, g, d)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self._mask(b.mask, q.dtype, idx),
                                                scale=self.scale)
@@ -196,14 +207,27 @@ class TorchPagedAttention(AttentionBackend):
                 out[c.start:c.end] = self._causal_chunk(q[c.start:c.end], k[c.start:c.end], v[c.start:c.end])
                 continue
             q_len = c.end - c.start
-            keys, values = self._gather(kv_cache, c.blocks, None)
-            keys = keys[:c.kv_len].transpose(0, 1).unsqueeze(0)
-            values = values[:c.kv_len].transpose(0, 1).unsqueeze(0)
+            kv = self._gather(rows, c.cache_rows).view(2, c.kv_len, hkv, d)
+            keys, values = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
             query = q[c.start:c.end].view(q_len, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, q_len * g, d)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self._mask(c.mask, q.dtype, idx),
                                                scale=self.scale)
             out[c.start:c.end] = o.view(hkv, q_len, g, d).permute(1, 0, 2, 3).reshape(q_len, hkv * g, d)
         return out
+
+    def _write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write the step's K/V at their planned rows; return the cache as rows ``[num_blocks * 2 * block_size,
+        num_kv_heads, head_dim]`` (a view; a copy taken after the write if the cache is not contiguous)."""
+        if not kv_cache.is_contiguous():
+            meta = self.meta
+            kv_cache[meta.slot_block, 0, meta.slot_offset] = k
+            kv_cache[meta.slot_block, 1, meta.slot_offset] = v
+            return kv_cache.reshape(-1, self.num_kv_heads, self.head_dim)
+        rows = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
+        n = k.shape[0]
+        rows.index_copy_(0, self._write_rows[:n], k.to(kv_cache.dtype))
+        rows.index_copy_(0, self._write_rows[n:], v.to(kv_cache.dtype))
+        return rows
 
     def _causal_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk over its own new tokens: q [L, Hq, D], k and v [L, Hkv, D] -> [L, Hq, D].
@@ -215,27 +239,17 @@ class TorchPagedAttention(AttentionBackend):
                                            is_causal=True, scale=self.scale)
         return o[0].transpose(0, 1)
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, pad_rows: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the pages ``blocks`` (int64 [P]) of K and V into the persistent buffers.
-
-        Returns two views [P * block_size, num_kv_heads, head_dim]; rows ``pad_rows`` are zeroed.
-        """
-        page = kv_cache.shape[2:]
-        numel = len(blocks) * page.numel()
-        if self._kbuf.numel() < numel or self._kbuf.dtype != kv_cache.dtype or self._kbuf.device != kv_cache.device:
-            size = max(numel, self._kbuf.numel() * 3 // 2)  # grow geometrically: few reallocations
-            self._kbuf = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
-            self._vbuf = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
-        keys = self._kbuf[:numel].view(len(blocks), *page)
-        values = self._vbuf[:numel].view(len(blocks), *page)
-        torch.index_select(kv_cache[:, 0], 0, blocks, out=keys)
-        torch.index_select(kv_cache[:, 1], 0, blocks, out=values)
-        keys, values = keys.flatten(0, 1), values.flatten(0, 1)
-        if pad_rows is not None:
-            keys.index_fill_(0, pad_rows, 0)
-            values.index_fill_(0, pad_rows, 0)
-        return keys, values
+    def _gather(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Copy the cache rows ``index`` (int64 [R]) into the persistent buffer: one ``index_select`` for K and V
+        together. rows: the cache as rows (``_write``). Returns a view [R, num_kv_heads, head_dim]."""
+        row = rows.shape[1:]
+        numel = len(index) * row.numel()
+        if self._buf.numel() < numel or self._buf.dtype != rows.dtype or self._buf.device != rows.device:
+            size = max(numel, self._buf.numel() * 3 // 2)  # grow geometrically: few reallocations
+            self._buf = torch.empty(size, dtype=rows.dtype, device=rows.device)
+        out = self._buf[:numel].view(len(index), *row)
+        torch.index_select(rows, 0, index, out=out)
+        return out
 
     def _mask(self, mask: torch.Tensor | None, dtype: torch.dtype, idx: int) -> torch.Tensor | None:
         """The planned float32 mask in the query's dtype (SDPA wants them equal), converted once per step."""
