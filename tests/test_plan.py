@@ -11,7 +11,7 @@ import pytest
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli import build_parser, main
 from sarathi_lite.cli.common import engine_config
-from sarathi_lite.engine.config import EngineConfig
+from sarathi_lite.engine.config import EngineConfig, parse_chunk_size
 from sarathi_lite.plan import Setup, commands, plan, space, table
 from sarathi_lite.plan.report import organization
 from sarathi_lite.plan.space import deployment, hybrid_rule, launch, llm_text, start_rate
@@ -139,7 +139,8 @@ def test_printed_commands_parse_into_the_simulated_configuration():
             assert Layout.parse(given, args.conditional_threshold) == layout
             assert layout.label == cand.label.split("@")[0].split(" ")[0]
         if not cand.colocated:
-            assert prefill.chunk_size == cand.prefill_chunk and "per-role chunk size" in run["note"]
+            assert prefill.chunk_size == cand.prefill_chunk  # LLM's prefill_options, and serve's own flag:
+            assert parse_chunk_size(args.prefill_chunk_size) == cand.prefill_chunk
         assert ("tensor/pipeline degree 1" in run["note"]) == (cand.instances > 1 and cand.tp * cand.pp > 1)
 
 
@@ -233,3 +234,24 @@ def test_the_planner_lists_and_simulates_hybrid_candidates(tiny):
     assert run["serve"][run["serve"].index("--instances") + 1] == "1PH1DH/short=512,ttft=5120,tbt=512"
     sim = rate_sweep(d, wl, [entry.probes[0].rate]).results[0]
     assert {len(r) for r in sim.routes.values()} <= {1, 2} and all(m.finished_time for m in sim.requests)
+
+
+def test_serve_gives_prefill_instances_their_own_chunk_size(monkeypatch):
+    from sarathi_lite.cli.serve import serve_engine
+    from sarathi_lite.engine import instances
+
+    built = {}
+    monkeypatch.setattr(instances, "ProcessEngine", lambda **kw: built.update(kw) or "engine")
+    args = build_parser().parse_args(["serve", "m", "--instances", "2PH2DH", "--prefill-chunk-size", "2048",
+                                      "--chunk-size", "512"])
+    assert serve_engine(args, config="cfg") == "engine"
+    assert built["prefill_options"] == {"chunk_size": 2048} and built["instances"] == Layout.parse("2PH2DH")
+    args = build_parser().parse_args(["serve", "m", "--instances", "1P1D", "--prefill-chunk-size", "auto"])
+    serve_engine(args, config="cfg")
+    assert built["prefill_options"] == {"chunk_size": "auto"}
+    for bad in (["--prefill-chunk-size", "64"], ["--data-parallel-size", "2", "--prefill-chunk-size", "64"]):
+        with pytest.raises(ValueError, match="--prefill-chunk-size 64 needs --instances xPyD"):
+            serve_engine(build_parser().parse_args(["serve", "m", *bad]), config="cfg")
+    with pytest.raises(ValueError, match="'big'"):
+        serve_engine(build_parser().parse_args(["serve", "m", "--instances", "1P1D", "--prefill-chunk-size", "big"]),
+                     config="cfg")

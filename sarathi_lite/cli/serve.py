@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from sarathi_lite.cli.common import add_engine_args, add_threads_arg, apply_threads, engine_config
-from sarathi_lite.engine.config import EngineConfig
+from sarathi_lite.engine.config import EngineConfig, parse_chunk_size
 from sarathi_lite.scheduler.routing import Layout
 from sarathi_lite.server.config import API_KEY_ENV, ServerConfig
 
@@ -69,6 +69,10 @@ def serve_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
 
     instances, replicas = getattr(args, "instances", None), getattr(args, "data_parallel_size", None)
     threshold = getattr(args, "conditional_threshold", None)
+    prefill_chunk = getattr(args, "prefill_chunk_size", None)
+    if prefill_chunk is not None and (instances is None or Layout.parse(instances, threshold).colocated):
+        raise ValueError(f"--prefill-chunk-size {prefill_chunk} needs --instances xPyD or xPHyDH "
+                         f"(prefill or prefill-heavy instances)")
     if instances is not None and replicas is not None:
         raise ValueError("give --instances or --data-parallel-size, not both")
     if replicas is not None:
@@ -81,7 +85,8 @@ def serve_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
         return LLMEngine(config=config)
     if replicas == 1:
         return LLMEngine(config=config)
-    return ProcessEngine(instances=Layout.parse(instances, threshold), config=config,
+    prefill = None if prefill_chunk is None else {"chunk_size": parse_chunk_size(prefill_chunk)}
+    return ProcessEngine(instances=Layout.parse(instances, threshold), config=config, prefill_options=prefill,
                          num_threads=getattr(args, "threads", None) or 1)
 
 
@@ -106,6 +111,9 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--conditional-threshold", type=int, default=None, metavar="TOKENS",
                    help="with --instances xPyD: prompts of at most this many tokens are prefilled on a decode "
                         "instance")
+    g.add_argument("--prefill-chunk-size", default=None, metavar="TOKENS",
+                   help="with --instances xPyD or xPHyDH: the prefill (prefill-heavy) instances' chunk size, a token "
+                        "count or auto (--chunk-size sets the decode or decode-heavy ones)")
     add_engine_args(p, config_class=ServerConfig, title="server limits (ServerConfig)")
     add_threads_arg(p)
     add_engine_args(p)

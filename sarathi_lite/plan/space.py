@@ -210,7 +210,9 @@ def space(setup: Setup) -> Space:
 def hybrid_rule(setup: Setup) -> HybridRule:
     """The hybrid candidates' routing rule, from the SLOs and the decode-heavy chunk ``c`` (512 for ``auto``): a
     decode-heavy step (at most ``c`` tokens) is taken to fit the TBT SLO, so ``tbt_tokens = c`` and, the TTFT SLO
-    lasting ``ttft / tbt`` such steps, ``ttft_tokens = c * ttft / tbt``; prompts of at most ``c`` tokens are short."""
+    lasting ``ttft / tbt`` such steps, ``ttft_tokens = c * ttft / tbt``; prompts of at most ``c`` tokens are short.
+    Every prompt a prefill-heavy instance gets is longer than ``c``, so every one moves after its prefill: the
+    rule the study found best in 15 of 20 cells (docs/results/hybrid.md)."""
     c = setup.decode_chunk if isinstance(setup.decode_chunk, int) else 512
     return HybridRule(short=c, ttft_tokens=int(c * setup.ttft / setup.tbt), tbt_tokens=c)
 
@@ -308,8 +310,7 @@ def launch(setup: Setup, cand: Candidate) -> dict[str, Any]:
             serve += ["--conditional-threshold", str(cand.threshold)]
         if cand.prefill_chunk != cand.chunk_size:
             llm["prefill_options"] = {"chunk_size": cand.prefill_chunk}
-            notes.append(f"serve has no per-role chunk size: --chunk-size sets both roles (LLM's prefill_options "
-                         f"gives the prefill instances {cand.prefill_chunk})")
+            serve += ["--prefill-chunk-size", str(cand.prefill_chunk)]
     if cand.instances > 1 and cand.tp * cand.pp > 1:
         notes.append("instances as processes run tensor/pipeline degree 1 only (engine.instances)")
     llm.update(common)

@@ -1,0 +1,29 @@
+"""``examples/plan_a_deployment.ipynb`` runs top to bottom (a small plan on the calibrated simulator under two SLO
+pairs, the hybrid study's recorded map, a plan on this CPU's profile and its recorded real runs), by the mechanism
+of ``test_notebook.py``: any cell that raises fails the test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "plan_a_deployment.ipynb"
+
+
+@pytest.mark.slow
+def test_plan_a_deployment_notebook_runs_without_errors():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
+    text = "".join(o.get("text", "") for cell in nb.cells for o in cell.get("outputs", []))
+    assert "goodput req/s/GPU" in text and "best colocated" in text and "best hybrid" in text
+    assert "PH" in text  # the hybrid candidates are in the ranking
+    assert "the real order agrees with the plan's: True" in text
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for cell in nb.cells for o in cell.get("outputs", []))  # the figure
