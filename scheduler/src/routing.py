@@ -57,8 +57,9 @@ class HybridRule:
        may carry within the TBT SLO, and work beyond it means steps above it (a prefill-heavy instance's chunk is
        larger by design) while the request would decode there, so its decode would miss the TBT SLO. Otherwise
        it decodes where it was prefilled (no transfer). ``tbt_tokens=0``: every request prefilled on a
-       prefill-heavy instance moves (while a decode-heavy instance is left). The decode-heavy instance it moves to is the one with the fewest KV
-       blocks in use or wanted (``pick_decode_by_load``), as after a disaggregated prefill.
+       prefill-heavy instance moves (while a decode-heavy instance is left). The decode-heavy instance it moves
+       to is the one with the fewest KV blocks in use or wanted (``pick_decode_by_load``), as after a
+       disaggregated prefill.
 
     With every decode-heavy instance gone nothing moves and every prompt goes to a prefill-heavy instance; with
     every prefill-heavy instance gone every prompt goes to a decode-heavy one. Raises ``ValueError`` naming a bad
