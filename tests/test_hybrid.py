@@ -270,17 +270,9 @@ def test_in_process_aborts_in_every_state_leave_every_pool_whole(tiny_checkpoint
 
 
 def run(engine, requests: dict[str, list[int]], params=None) -> dict[str, Any]:
-    for rid, p in requests.items():
-        engine.add_request(rid, p, params or greedy())
-    done = {}
-    for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert not engine.has_unfinished_requests(), "the engine did not finish within the step bound"
-    return done
+    """Add ``requests`` and step until all finish (bounded): ``test_engine_disagg_procs.run``, greedy by default."""
+    from tests.test_engine_disagg_procs import run as run_bounded
+    return run_bounded(engine, requests, params or greedy())
 
 
 @pytest.fixture(scope="module")

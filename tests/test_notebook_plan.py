@@ -6,24 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbclient
-import nbformat
 import pytest
+
+from tests.test_notebook import execute, printed
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "plan_a_deployment.ipynb"
 
 
 @pytest.mark.slow
 def test_plan_a_deployment_notebook_runs_without_errors():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
-              if o.get("output_type") == "error"]
-    assert not errors
-    text = "".join(o.get("text", "") for cell in nb.cells for o in cell.get("outputs", []))
+    outputs = execute(NOTEBOOK)
+    text = printed(outputs)
     assert "goodput req/s/GPU" in text and "best colocated" in text and "best hybrid" in text
     assert "PH" in text  # the hybrid candidates are in the ranking
     assert "the real order agrees with the plan's: True" in text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for cell in nb.cells for o in cell.get("outputs", []))  # the figure
+               for o in outputs)  # the figure

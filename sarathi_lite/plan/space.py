@@ -146,6 +146,8 @@ class Candidate:
     def label(self) -> str:
         """As the study labels it (``4C@1024``, ``2P2D/cond512``), with the degrees when not 1 (`` tp2 pp2``)."""
         base = f"{self.layout}@{self.chunk_size}" if self.colocated else self.spec.label
+        if self.hybrid is not None and self.chunk_size == "auto":
+            base += " DH@auto"  # decode-heavy instances at the TBT-sized budget
         return base + (f" tp{self.tp}" if self.tp > 1 else "") + (f" pp{self.pp}" if self.pp > 1 else "")
 
 
@@ -211,8 +213,9 @@ def hybrid_rule(setup: Setup) -> HybridRule:
     """The hybrid candidates' routing rule, from the SLOs and the decode-heavy chunk ``c`` (512 for ``auto``): a
     decode-heavy step (at most ``c`` tokens) is taken to fit the TBT SLO, so ``tbt_tokens = c`` and, the TTFT SLO
     lasting ``ttft / tbt`` such steps, ``ttft_tokens = c * ttft / tbt``; prompts of at most ``c`` tokens are short.
-    Every prompt a prefill-heavy instance gets is longer than ``c``, so every one moves after its prefill: the
-    rule the study found best in 15 of 20 cells (docs/results/hybrid.md)."""
+    Every prompt a prefill-heavy instance gets is longer than ``c``, so every one moves after its prefill, as
+    the study's ``move`` rule (docs/results/hybrid.md). With ``auto`` among the chunk sizes, each split's hybrid
+    is also listed with decode-heavy instances at ``auto``: the study's best hybrid in most cells."""
     c = setup.decode_chunk if isinstance(setup.decode_chunk, int) else 512
     return HybridRule(short=c, ttft_tokens=int(c * setup.ttft / setup.tbt), tbt_tokens=c)
 
@@ -227,8 +230,9 @@ def _organizations(setup: Setup, n: int, tp: int, pp: int) -> list[Candidate]:
                 found.append(Candidate(f"{x}P{n - x}D", tp, 1, setup.decode_chunk, setup.prefill_chunk,
                                        setup.threshold))
             if setup.hybrid:
-                found.append(Candidate(f"{x}PH{n - x}DH", tp, 1, setup.decode_chunk, setup.prefill_chunk,
-                                       hybrid=hybrid_rule(setup)))
+                for chunk in dict.fromkeys([setup.decode_chunk] + (["auto"] if "auto" in setup.chunk_sizes else [])):
+                    found.append(Candidate(f"{x}PH{n - x}DH", tp, 1, chunk, setup.prefill_chunk,
+                                           hybrid=hybrid_rule(setup)))
     return found
 
 
