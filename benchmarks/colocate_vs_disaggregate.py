@@ -50,6 +50,7 @@ from sarathi_lite.bench.results import commit, host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.plan.search import PROBE_SECONDS, probe_workload
+from sarathi_lite.plan.space import AUTO_PERCENTILE
 from sarathi_lite.sim.disagg import DEFAULT_ATTAINMENT, LINKS, Deployment, Link, RateSweep, simulate
 
 TTFT_SLOS = (0.25, 0.5, 1.0, 2.0, 5.0)
@@ -57,7 +58,6 @@ TBT_SLOS = (0.015, 0.025, 0.05, 0.1)
 COLOCATED_CHUNKS = (256, 512, 1024, 2048)
 PREFILL_CHUNK = 2048
 DECODE_CHUNK = 512
-AUTO_PERCENTILE = 99.0
 HYBRID_RULES = {"move": "short=512,ttft=4096,tbt=0", "fit": "short=512,ttft=4096,tbt=2048",
                 "stay": "short=512,ttft=4096,tbt=1000000000"}
 """The hybrid's routing rules (``routing.HybridRule``), the same at every SLO cell: prompts of at most 512 tokens

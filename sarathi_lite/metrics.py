@@ -143,11 +143,13 @@ def slo_arrays(requests: Sequence[RequestMetrics]) -> tuple[np.ndarray, np.ndarr
     return ttft, tbt
 
 
-def slo_attainment(requests: Sequence[RequestMetrics], ttft: float, tbt: float) -> float:
-    """Share of ``requests`` meeting both SLOs: TTFT at most ``ttft`` and their own P99 time between tokens at
-    most ``tbt`` (seconds); 0 for no requests."""
-    t, b = slo_arrays(requests)
-    return float(np.mean((t <= ttft) & (b <= tbt))) if t.size else 0.0
+def slo_shares(ttft: np.ndarray, tbt: np.ndarray, ttft_slo: float, tbt_slo: float) -> tuple[float, float, float]:
+    """Shares of the requests whose ``slo_arrays`` are ``ttft`` and ``tbt`` that meet both SLOs, the TTFT SLO
+    alone and the TBT SLO alone (seconds); zeros for no requests."""
+    if not ttft.size:
+        return 0.0, 0.0, 0.0
+    met_ttft, met_tbt = ttft <= ttft_slo, tbt <= tbt_slo
+    return float(np.mean(met_ttft & met_tbt)), float(np.mean(met_ttft)), float(np.mean(met_tbt))
 
 
 def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]:

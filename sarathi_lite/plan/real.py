@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.metrics import slo_arrays
+from sarathi_lite.metrics import slo_arrays, slo_shares
 from sarathi_lite.plan.search import Entry, Plan
 from sarathi_lite.scheduler.routing import Layout
 
@@ -161,15 +161,11 @@ def _measure(engine: Any, label: str, wl: Workload, rate: float, setup: Any) -> 
     play(engine, list(zip(wl.requests, wl.prompt_token_ids(_vocab(engine)))), time.perf_counter)
     requests = engine.stats().requests
     ttft, tbt = slo_arrays(requests)
-    met_ttft, met_tbt = ttft <= setup.ttft, tbt <= setup.tbt
-    n = max(len(requests), 1)
-    return RealRun(label, rate, float((met_ttft & met_tbt).sum() / n), float(met_ttft.sum() / n),
-                   float(met_tbt.sum() / n), float(max(ttft, default=0.0)), float(max(tbt, default=0.0)),
+    return RealRun(label, rate, *slo_shares(ttft, tbt, setup.ttft, setup.tbt),
+                   float(max(ttft, default=0.0)), float(max(tbt, default=0.0)),
                    sum(r.finished_time is not None for r in requests), len(wl.requests),
                    time.perf_counter() - t0, load)
 
 
 def _vocab(engine: Any) -> int:
-    from sarathi_lite.models.config import ModelConfig
-
-    return ModelConfig.from_pretrained(engine.model_path).vocab_size
+    return engine.model_config.vocab_size

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from sarathi_lite.bench.workload import Workload
+from sarathi_lite.metrics import slo_shares
 from sarathi_lite.plan.space import (
     Candidate,
     Setup,
@@ -105,9 +106,7 @@ def run_probe(setup: Setup, cand: Candidate, workload: Workload, rate: float, li
 def judge(setup: Setup, rate: float, ttft: np.ndarray, tbt: np.ndarray) -> Probe:
     """The probe at ``rate`` whose requests had ``ttft`` and P99 ``tbt`` (``DisaggResult.per_request``), by
     ``setup``'s SLOs."""
-    met_ttft, met_tbt = ttft <= setup.ttft, tbt <= setup.tbt
-    return Probe(rate, float(np.mean(met_ttft & met_tbt)) if ttft.size else 0.0, float(np.mean(met_ttft)),
-                 float(np.mean(met_tbt)), int(ttft.size))
+    return Probe(rate, *slo_shares(ttft, tbt, setup.ttft, setup.tbt), int(ttft.size))
 
 
 def _simulate(setup: Setup, cand: Candidate, workload: Workload, rate: float, limits: tuple[int, int]

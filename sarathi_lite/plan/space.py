@@ -279,12 +279,11 @@ def _seconds_per_request(cm: CostModel, workload: Workload) -> float:
     n = max(len(workload.requests), 1)
     prompt = max(1, round(sum(r.prompt_len for r in workload.requests) / n))
     output = sum(r.output_len for r in workload.requests) / n
-    prefill = ScheduledRequest("p", 0, prompt, [0] * prompt, [], True, True)
-    decodes = [ScheduledRequest(f"d{i}", prompt, 1, [0], [], True, False) for i in range(PROFILE_DECODE_BATCH)]
-    prefill_time = cm.predict_step_time(SchedulerOutput([prefill], num_prefill_tokens=prompt, num_prefills=1))
-    decode_time = cm.predict_step_time(SchedulerOutput(decodes, num_decode_tokens=len(decodes),
-                                                       num_decodes=len(decodes)))
-    return prefill_time + output * decode_time / PROFILE_DECODE_BATCH
+    prefill, decodes = SchedulerOutput(), SchedulerOutput()  # ``add`` keeps their token and request counts
+    prefill.add(ScheduledRequest("p", 0, prompt, [0] * prompt, [], True, True))
+    for i in range(PROFILE_DECODE_BATCH):
+        decodes.add(ScheduledRequest(f"d{i}", prompt, 1, [0], [], True, False))
+    return cm.predict_step_time(prefill) + output * cm.predict_step_time(decodes) / PROFILE_DECODE_BATCH
 
 
 # ---------------------------------------------------------------------- how to run it for real

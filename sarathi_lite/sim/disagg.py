@@ -58,7 +58,7 @@ import numpy as np
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.costs import CostModel
-from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles, slo_arrays
+from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles, slo_arrays, slo_shares
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
 from sarathi_lite.scheduler.kv_transfer import KVSave
@@ -343,8 +343,7 @@ class DisaggResult:
     def slo_attainment(self, ttft: float, tbt: float) -> float:
         """Share of requests meeting both SLOs: TTFT at most ``ttft`` and their own P99 time between tokens at
         most ``tbt`` (seconds)."""
-        t, b = self.per_request()
-        return float(np.mean((t <= ttft) & (b <= tbt))) if t.size else 0.0
+        return slo_shares(*self.per_request(), ttft, tbt)[0]
 
 
 class _Sim:
