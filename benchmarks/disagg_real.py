@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from sarathi_lite.bench.replay import play
+from sarathi_lite.bench.replay import play, warm_up_instances
 from sarathi_lite.bench.results import host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
@@ -124,8 +124,7 @@ def main() -> None:
     moved_bytes, moved_seconds = 0.0, 0.0
     try:
         for engine in engines.values():  # warm-up: every instance runs a few steps
-            warm = Workload.synthetic("uniform:32-64:4-4", num_requests=4, qps=None, seed=1)
-            replay(engine, warm, warm.prompt_token_ids(mc.vocab_size))
+            warm_up_instances(engine, mc.vocab_size)
         block_bytes = None
         for r in range(args.rounds):
             for lay in (LAYOUTS if r % 2 == 0 else tuple(reversed(LAYOUTS))):

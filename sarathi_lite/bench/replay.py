@@ -38,6 +38,9 @@ from sarathi_lite.scheduler import CHUNKED_POLICIES, ScheduledRequest, Scheduler
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_WORKLOAD = "uniform:32-64:4-4"
+"""The short requests ``warm_up_instances`` plays (``Workload.synthetic`` lengths)."""
+
 WARMUP_REQUEST_ID = "warmup"
 
 
@@ -62,6 +65,13 @@ def warm_up(engine: LLMEngine, prompt_len: int = 32, output_len: int = 4) -> Non
         engine.step()
     engine.reset_stats()
     engine.reset_prefix_cache()
+
+
+def warm_up_instances(engine: Any, vocab_size: int) -> None:
+    """Play ``WARM_UP_WORKLOAD`` (a few short requests at once) on ``engine`` so every instance of a deployment
+    steps before it is measured; its records stay until the caller's ``reset_stats``."""
+    warm = Workload.synthetic(WARM_UP_WORKLOAD, num_requests=4, qps=None, seed=1)
+    play(engine, list(zip(warm.requests, warm.prompt_token_ids(vocab_size))), time.perf_counter)
 
 
 def play(engine: Any, pending: Sequence[tuple[Any, Sequence[int]]], clock: Callable[[], float],

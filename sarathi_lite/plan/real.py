@@ -26,9 +26,6 @@ from sarathi_lite.metrics import slo_arrays, slo_shares
 from sarathi_lite.plan.search import Entry, Plan
 from sarathi_lite.scheduler.routing import Layout
 
-WARM_UP = "uniform:32-64:4-4"
-"""The few requests every deployment runs before it is measured (each instance steps a few times)."""
-
 
 @dataclass(slots=True)
 class RealRun:
@@ -117,10 +114,12 @@ def confirm(result: Plan, workload: Workload, *, top: int = 2, num_requests: int
     rates = sorted(set(rates or planned.values()))
     out = Confirmation([e.label for e in chosen], planned, rates, result.setup.attainment, skipped=skipped)
     base = Workload(workload.requests[:num_requests], workload.source, workload.seed)
+    from sarathi_lite.bench.replay import warm_up_instances  # torch: only when a real run is asked for
+
     for e in chosen:
         engine = _engine(result, e, threads)
         try:
-            _warm_up(engine)
+            warm_up_instances(engine, _vocab(engine))
             for rate in rates:
                 out.runs.append(_measure(engine, e.label, base.at_qps(rate), rate, result.setup))
                 if progress:
@@ -143,13 +142,6 @@ def _engine(result: Plan, entry: Entry, threads: int) -> Any:
     prefill = llm.pop("prefill_options", None)
     layout = Layout.parse(cand.layout, threshold=cand.threshold)
     return ProcessEngine(model, instances=layout, prefill_options=prefill, num_threads=threads, device="cpu", **llm)
-
-
-def _warm_up(engine: Any) -> None:
-    from sarathi_lite.bench.replay import play
-
-    warm = Workload.synthetic(WARM_UP, num_requests=4, qps=None, seed=1)
-    play(engine, list(zip(warm.requests, warm.prompt_token_ids(_vocab(engine)))), time.perf_counter)
 
 
 def _measure(engine: Any, label: str, wl: Workload, rate: float, setup: Any) -> RealRun:
