@@ -21,13 +21,13 @@ the decode-heavy step against a memory-copy probe (``--no-probe`` skips the prob
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
 import torch
 
 from sarathi_lite import LLMEngine, SamplingParams
+from sarathi_lite.bench.replay import step_seconds
 from sarathi_lite.kernels.metadata import scattered_block_tables
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -60,14 +60,7 @@ def make_step(engine: LLMEngine, rng: np.random.Generator, q_lens: list[int], co
 def time_step(engine: LLMEngine, out: SchedulerOutput, repeats: int) -> float:
     """Median seconds of ``repeats`` runs of the step (after two warm-ups)."""
     params = {s.request_id: SamplingParams(temperature=0.0) for s in out.scheduled}
-    for _ in range(2):
-        engine.runner.execute(out, params)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        engine.runner.execute(out, params)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return step_seconds(engine, out, params, repeats, warmups=2)
 
 
 def profile_step(engine: LLMEngine, out: SchedulerOutput, repeats: int, rows: int) -> str:

@@ -294,6 +294,20 @@ class CostPerToken:
                 "rows": [{**asdict(r), "ms_per_token": r.ms_per_token} for r in self.rows]}
 
 
+def step_seconds(engine: LLMEngine, out: SchedulerOutput, params: dict[str, SamplingParams], repeats: int,
+                 warmups: int = 1) -> float:
+    """Median seconds of ``repeats`` back-to-back forward passes of ``out`` (``engine.runner.execute``), after
+    ``warmups`` untimed ones."""
+    for _ in range(warmups):
+        engine.runner.execute(out, params)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.runner.execute(out, params)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def cost_per_token_blocks(num_tokens: int, context_len: int, block_size: int) -> int:
     """KV blocks ``cost_per_token`` needs: ``num_tokens`` decodes of ``context_len + 1`` tokens and one chunk."""
     return num_tokens * -(-(context_len + 1) // block_size) + -(-num_tokens // block_size)
@@ -330,11 +344,6 @@ def cost_per_token(engine: LLMEngine, num_tokens: int = 128, context_len: int = 
     rows = []
     for name, out in shapes.items():
         params = {s.request_id: greedy for s in out.scheduled}
-        engine.runner.execute(out, params)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            engine.runner.execute(out, params)
-            times.append(time.perf_counter() - t0)
-        rows.append(BatchCost(name, out.num_decodes, out.num_prefill_tokens, statistics.median(times)))
+        rows.append(BatchCost(name, out.num_decodes, out.num_prefill_tokens,
+                              step_seconds(engine, out, params, repeats)))
     return CostPerToken(num_tokens, context_len, rows, machine())
