@@ -130,13 +130,14 @@ class TorchPagedAttention(AttentionBackend):
         # the new tokens' K rows then their V rows (module docstring), where every layer writes them
         k_rows = (meta.slot_block * 2) * meta.block_size + meta.slot_offset
         self._write_rows = torch.cat([k_rows, k_rows + meta.block_size])
-        self._buckets = self._plan_decodes(meta)
-        self._chunks = self._plan_chunks(meta)
+        pages = (meta.qo_indptr_host.astype(np.int64), meta.kv_indptr_host.astype(np.int64),
+                 meta.kv_indices_host.astype(np.int64))  # converted once per step, for both planners
+        self._buckets = self._plan_decodes(meta, *pages)
+        self._chunks = self._plan_chunks(meta, *pages)
 
-    def _plan_decodes(self, meta: AttentionMetadata) -> list[_DecodeBucket]:
-        device, bs = meta.kv_indices.device, meta.block_size
-        kv_lens, qo_indptr = meta.kv_lens, meta.qo_indptr_host.astype(np.int64)
-        kv_indptr, kv_indices = meta.kv_indptr_host.astype(np.int64), meta.kv_indices_host.astype(np.int64)
+    def _plan_decodes(self, meta: AttentionMetadata, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
+                      kv_indices: np.ndarray) -> list[_DecodeBucket]:
+        device, bs, kv_lens = meta.kv_indices.device, meta.block_size, meta.kv_lens
         buckets = []
         decodes = np.flatnonzero(meta.q_lens == 1)
         for members in bucket_by_length(kv_lens[decodes], self.bucket_overhead):
@@ -158,10 +159,9 @@ class TorchPagedAttention(AttentionBackend):
             ))
         return buckets
 
-    def _plan_chunks(self, meta: AttentionMetadata) -> list[_Chunk]:
+    def _plan_chunks(self, meta: AttentionMetadata, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
+                     kv_indices: np.ndarray) -> list[_Chunk]:
         device, bs = meta.kv_indices.device, meta.block_size
-        qo_indptr = meta.qo_indptr_host.astype(np.int64)
-        kv_indptr, kv_indices = meta.kv_indptr_host.astype(np.int64), meta.kv_indices_host.astype(np.int64)
         chunks = []
         for i in np.flatnonzero(meta.q_lens > 1):
             q_len, kv_len = int(meta.q_lens[i]), int(meta.kv_lens[i])
