@@ -500,7 +500,8 @@ class ProcessEngine:
             for out in done.outputs:
                 record = self.coordinator.requests.get(out.request_id)
                 mine = record is not None and record.where is inst
-                if inst.role == PREFILL and not (mine and not record.prefill_only):  # prefilled only here
+                served_whole = mine and not record.prefill_only  # a hybrid's request decoded where prefilled
+                if inst.role == PREFILL and not served_whole:  # prefilled only here
                     if out.finish_reason == "error":
                         self._forget(out.request_id)
                         self._outputs.append(out)
