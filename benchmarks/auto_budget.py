@@ -81,6 +81,13 @@ SETUPS = {
                                  1024, (0.2, 60.0), 0.9),
     "h100-llama3-8b-10ms": Setup("h100-llama3-8b-10ms", "roofline:h100:llama3-8b", 0.010, 1000, 1.0, 7168,
                                  1024, (0.2, 60.0), 0.9),
+    # the calibrated A100 (Llama-3-8B) and Llama-3-70B on 2, 4 and 8 calibrated H100s (tensor parallel)
+    "a100-llama3-8b": Setup("a100-llama3-8b", "roofline:a100-80gb:llama3-8b", 0.1, 1000, 1.0, 7168, 1024,
+                            (0.2, 40.0), 0.9),
+    "a100-llama3-8b-25ms": Setup("a100-llama3-8b-25ms", "roofline:a100-80gb:llama3-8b", 0.025, 1000, 1.0, 7168,
+                                 1024, (0.2, 40.0), 0.9),
+    **{f"{n}xh100-llama3-70b": Setup(f"{n}xh100-llama3-70b", f"roofline:{n}xh100:llama3-70b", 0.1, 1000, 1.0, 7168,
+                                     1024, (0.05, 30.0 if n == 8 else 20.0), 0.9) for n in (2, 4, 8)},
 }
 
 
