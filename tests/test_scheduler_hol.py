@@ -216,3 +216,28 @@ def test_protection_changes_nothing_for_unchunked_policies() -> None:
 def test_bad_protection_settings_raise(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(**kwargs)
+
+
+class _LinearCost:
+    """A step time of 10 ms plus 0.1 ms per token."""
+
+    def predict_step_time(self, out) -> float:
+        return 0.010 + 1e-4 * out.num_batched_tokens
+
+
+def test_under_auto_long_prompts_keep_a_quarter_of_the_step_not_half() -> None:
+    # 0.01 + 1e-4 * tokens <= 0.06 s: 496 tokens a step (whole 16-token blocks), far below the 2,048 cap
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, max_num_seqs=32, watermark=0.0, hol_protection=True,
+                             enable_prefix_caching=False)
+    sched = make_scheduler(config, _LinearCost())
+    sched.add(req("long", 3000))  # long under "auto": above max_num_batched_tokens
+    assert batch(step(sched)) == {"long": (P, 496)}, "alone, the long prompt takes the whole step"
+    sched.add(req("short", 300))  # more than half the step's prefill, less than three quarters
+    out = step(sched)
+    # the long prompt keeps a quarter of this step (as a fixed chunk size keeps a quarter of its chunk), not
+    # half of it: the short prompt finishes its prefill in this step instead of the next
+    assert batch(out) == {"short": (P, 300), "long": (P, 196)}
+    for i in range(3):  # short prompts that fill the step (one decode, 495 prefill): the long keeps its quarter
+        sched.add(req(f"s{i}", 250))
+    assert batch(step(sched))["long"] == (P, 496 // 4)

@@ -59,10 +59,16 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     assert long_share(config, 63, 936) == config.long_chunk == 16
     # the long prompt gets what the short one leaves (as ShortPromptProtection gives it), more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
-    # short prompts that need more than the budget less the share: the long prompts are held to their share
+    # short prompts that need more than the budget less the share: as many as fit finish in this step (one cap
+    # for all, so the long prompt gets as much as the longest of them), the next takes what is left
     crowd = [RequestView(f"s{i}", 0, 30, 30, i + 1) for i in range(3)]
     plan = plan_step([long, decode], crowd, config)
-    assert plan.long_cap == 16 and plan.tokens == {"d": 1, "long": 16, "s0": 16, "s1": 16, "s2": 15}
+    assert plan.long_cap == 30 and plan.tokens == {"d": 1, "long": 30, "s0": 30, "s1": 3}
+    # none fits whole beside the long prompts' share: the first short prompt gets half the budget, as the long
+    # prompt does (one cap for all)
+    crowd = [RequestView(f"s{i}", 0, 60, 60, i + 1) for i in range(3)]
+    plan = plan_step([long, decode], crowd, config)
+    assert plan.long_cap == 31 and plan.tokens == {"d": 1, "long": 31, "s0": 31, "s1": 1}
     # nobody to protect: the long prompt takes the whole budget left
     assert plan_step([long, decode], [], config).tokens == {"d": 1, "long": 63}
 

@@ -14,11 +14,14 @@ if TYPE_CHECKING:
     from .base import Scheduler
 
 
-def long_share(config: SchedulerConfig, budget: int, long_remaining: int) -> int:
+def long_share(config: SchedulerConfig, budget: int, long_remaining: int, step_tokens: int | None = None) -> int:
     """The prefill tokens kept for the long prompts mid-prefill in an iteration short prompts fill first:
-    ``min(long_chunk, budget // 2, long_remaining)`` (``long_remaining``: the prefill tokens they still need), so
-    they progress every iteration while at least half of ``budget`` is always the short prompts'."""
-    return min(config.long_chunk, budget // 2, long_remaining)
+    ``min(long_chunk, budget // 2, long_remaining)`` (``budget``: the iteration's prefill tokens;
+    ``long_remaining``: the prefill tokens they still need), so they progress every iteration while at least half
+    of ``budget`` is always the short prompts'. ``long_chunk`` is ``config.long_chunk_for(step_tokens)``, with
+    ``step_tokens`` the iteration's whole budget (decodes and prefill; default ``budget``): under
+    ``chunk_size="auto"`` a quarter of the step, as a fixed chunk size keeps a quarter of its chunk."""
+    return min(config.long_chunk_for(budget if step_tokens is None else step_tokens), budget // 2, long_remaining)
 
 
 class ShortPromptProtection:
@@ -75,7 +78,8 @@ class ShortPromptProtection:
         max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
         share = 0
         if longs:
-            share = long_share(cfg, budget, sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs))
+            share = long_share(cfg, budget, sum(r.num_prefill_tokens - r.num_computed_tokens for r in longs),
+                               budget + out.num_decode_tokens)
         short_budget = budget - share
         used = sched.schedule_partial_prefills(shorts, short_budget, out)
         short_slots = max(max_partial - len(longs), 1)

@@ -236,10 +236,18 @@ class SchedulerConfig:
         """Under head-of-line protection, the prefill tokens kept for long prompts mid-prefill in an iteration that
         short prompts fill first, and with an explicit ``long_prefill_chunk`` also the most they get beside
         decodes or short prompts: ``long_prefill_chunk``, by default ``min(long_threshold, token_budget // 4)``
-        (at least 1; ``token_budget`` is ``chunk_size``, or ``max_num_batched_tokens`` for ``"auto"``)."""
+        (at least 1; ``token_budget`` is ``chunk_size``, or ``max_num_batched_tokens`` for ``"auto"``, whose
+        steps keep a quarter of their own budget instead: ``long_chunk_for``)."""
+        return self.long_chunk_for(self.token_budget)
+
+    def long_chunk_for(self, step_tokens: int) -> int:
+        """``long_chunk`` in a step whose token budget (decodes and prefill) is ``step_tokens``: with
+        ``chunk_size="auto"`` and no explicit ``long_prefill_chunk``, ``min(long_threshold, step_tokens // 4)``
+        (at least 1), a quarter of the step as a fixed chunk size keeps a quarter of its chunk; otherwise
+        ``long_chunk`` (the step's budget is then ``chunk_size``)."""
         if self.long_prefill_chunk is not None:
             return self.long_prefill_chunk
-        budget = self.token_budget
+        budget = step_tokens if self.auto_budget else self.token_budget
         return max(min(self.long_threshold or budget, budget // 4), 1)
 
     @property
