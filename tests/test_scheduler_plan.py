@@ -59,16 +59,10 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     assert long_share(config, 63, 936) == config.long_chunk == 16
     # the long prompt gets what the short one leaves (as ShortPromptProtection gives it), more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
-    # short prompts that need more than the budget less the share: as many as fit finish in this step (one cap
-    # for all, so the long prompt gets as much as the longest of them), the next takes what is left
+    # short prompts that need more than the budget less the share: the long prompts are held to their share
     crowd = [RequestView(f"s{i}", 0, 30, 30, i + 1) for i in range(3)]
     plan = plan_step([long, decode], crowd, config)
-    assert plan.long_cap == 30 and plan.tokens == {"d": 1, "long": 30, "s0": 30, "s1": 3}
-    # none fits whole beside the long prompts' share: the first short prompt gets half the budget, as the long
-    # prompt does (one cap for all)
-    crowd = [RequestView(f"s{i}", 0, 60, 60, i + 1) for i in range(3)]
-    plan = plan_step([long, decode], crowd, config)
-    assert plan.long_cap == 31 and plan.tokens == {"d": 1, "long": 31, "s0": 31, "s1": 1}
+    assert plan.long_cap == 16 and plan.tokens == {"d": 1, "long": 16, "s0": 16, "s1": 16, "s2": 15}
     # nobody to protect: the long prompt takes the whole budget left
     assert plan_step([long, decode], [], config).tokens == {"d": 1, "long": 63}
 
@@ -101,6 +95,19 @@ def test_auto_budget_plans_the_largest_step_within_the_target():
     # the step (decodes and prefill) is whole blocks, and one more block would not fit
     assert (40 + prefill) % 16 == 0 and 0.010 + 1e-4 * (40 + prefill + 16) > 0.05
     assert plan.token_budget == 40 + prefill
+
+
+def test_under_auto_the_long_share_inside_vllm_is_taken_from_the_cap_not_the_step():
+    # one cap for every request of vLLM's loop: the long prompt keeps min(max_num_batched_tokens // 4, half the
+    # step) beside short prompts that want more, as measured best inside vLLM (see plan_step)
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, max_num_seqs=64)
+    budget = TokenBudget(config, _LinearCost())
+    long = RequestView("long", 496, 5000, 5000, 0)  # long under "auto": above max_num_batched_tokens
+    shorts = [RequestView(f"s{i}", 0, 200, 200, i + 1) for i in range(3)]
+    plan = plan_step([long], shorts, config, budget)
+    assert plan.token_budget == 496 and plan.long_cap == 248
+    assert plan.tokens == {"long": 248, "s0": 200, "s1": 48}
 
 
 def test_fill_respects_seats_cap_and_budget():
