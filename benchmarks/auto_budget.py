@@ -105,7 +105,8 @@ def gaps_over(result: BenchResult, slo: float) -> float:
 
 
 def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FIXED,
-              tbt_percentile: float | None = None, refine: bool = False) -> dict[str, Any]:
+              tbt_percentile: float | None = None, refine: bool = False,
+              max_num_seqs: int | None = None) -> dict[str, Any]:
     cost = load_cost_model(setup.cost_model)
     wl = workload(setup, trace)
     slo = SLO(setup.tbt_slo)
@@ -114,6 +115,8 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
     # capacity is defined by, and its default long threshold follows the chunk size (see docs/design/scheduler.md).
     options = {"tbt_slo": setup.tbt_slo, "budget_safety": setup.budget_safety, "tbt_percentile": tbt_percentile,
                "hol_protection": False, "enable_prefix_caching": False}
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
     lo, hi = setup.qps_range
     t0 = time.perf_counter()
     found = {}
@@ -143,6 +146,7 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
     best = max(fixed, key=search)
     best_cap, auto_cap = found[best].capacity, found["auto"].capacity
     row: dict[str, Any] = {"setup": setup.name, "trace": trace, "slo_tbt_p99": setup.tbt_slo,
+                           "max_num_seqs": sim.scheduler_config(cost, "sarathi", "auto", **options).max_num_seqs,
                            "budget_safety": setup.budget_safety, "tbt_percentile": tbt_percentile,
                            "workload": wl.describe(), "fixed": list(fixed),
                            "capacity": {str(k): found[k].capacity for k in found}, "best_fixed": best,
@@ -190,11 +194,14 @@ def main() -> None:
     ap.add_argument("--refine", action="store_true",
                     help="after the --fixed grid, climb from its best size in steps of one KV block (up, then "
                          "down) while the capacity rises: the best fixed size to the block")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="most requests running at once (default: the engine's, 128): with more, a deployment whose "
+                         "capacity the seats bound is not")
     ap.add_argument("--out", type=Path, default=Path("results/auto_budget.json"))
     args = ap.parse_args()
     load, code = os.getloadavg(), commit()
     fixed = tuple(int(k) for k in args.fixed.split(","))
-    rows = [run_setup(SETUPS[s], t, args.probes, fixed, args.tbt_percentile, args.refine)
+    rows = [run_setup(SETUPS[s], t, args.probes, fixed, args.tbt_percentile, args.refine, args.max_num_seqs)
             for s in args.setups.split(",")
             for t in args.traces.split(",")]
     print(table(rows, fixed))
