@@ -14,6 +14,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from sarathi_lite.scheduler import HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, SchedulerConfig, make_scheduler
+from sarathi_lite.scheduler.config import AUTO_LONG_THRESHOLD
 
 from .test_scheduler_policies import D, P, batch, make, req, step
 from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, RequestSpec, Workload, fake_token, run
@@ -241,3 +242,18 @@ def test_under_auto_long_prompts_keep_a_quarter_of_the_step_not_half() -> None:
     for i in range(3):  # short prompts that fill the step (one decode, 495 prefill): the long keeps its quarter
         sched.add(req(f"s{i}", 250))
     assert batch(step(sched))["long"] == (P, 496 // 4)
+
+
+def test_under_auto_a_prompt_is_long_above_2048_tokens_whatever_the_cap() -> None:
+    # the default cap follows the context (max(max_model_len, 2048) = 8,192 here); the steps "auto" takes are far
+    # smaller (496 tokens), so a 3,000-token prompt is chunked over many of them and must not hold short ones back
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16, max_model_len=8192,
+                             max_num_seqs=32, watermark=0.0, hol_protection=True, enable_prefix_caching=False)
+    assert config.max_num_batched_tokens == 8192 and config.long_threshold == AUTO_LONG_THRESHOLD == 2048
+    sched = make_scheduler(config, _LinearCost())
+    sched.add(req("long", 3000))
+    assert batch(step(sched)) == {"long": (P, 496)}
+    sched.add(req("short", 100))
+    assert batch(step(sched))["short"] == (P, 100), "admitted at once, beside the long prompt"
+    explicit = dataclasses.replace(config, long_prefill_token_threshold=4000)
+    assert explicit.long_threshold == 4000  # an explicit threshold still wins

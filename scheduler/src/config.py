@@ -16,6 +16,11 @@ HOL_ADMISSION_BOUND = 1
 # traffic; four keeps every measured ordinary trace unchanged (docs/design/scheduler.md, head-of-line protection;
 # docs/results/hol_protection.md).
 LONG_PROMPT_CHUNKS = 4
+# With chunk_size="auto" the steps vary, so a prompt is long (by default) above what the default fixed chunk size
+# calls long, LONG_PROMPT_CHUNKS * 512 = 2,048 tokens (or above max_num_batched_tokens, if less): a threshold of
+# max_num_batched_tokens alone (8,192 for a model of 8k context) left every prompt the steps really chunk, at a
+# few hundred tokens each, unprotected (docs/results/vllm_plugin.md, the evening re-run).
+AUTO_LONG_THRESHOLD = LONG_PROMPT_CHUNKS * 512
 
 
 @dataclass(slots=True)
@@ -224,10 +229,11 @@ class SchedulerConfig:
     def long_threshold(self) -> int | None:
         """Prefill tokens above which a prompt is long: ``long_prefill_token_threshold``, which under head-of-line
         protection defaults to ``LONG_PROMPT_CHUNKS * chunk_size`` (a prompt that needs several iterations; with
-        ``chunk_size="auto"``, ``max_num_batched_tokens``); ``None`` when no prompt is long."""
+        ``chunk_size="auto"``, ``min(AUTO_LONG_THRESHOLD, max_num_batched_tokens)``); ``None`` when no prompt is
+        long."""
         if self.long_prefill_token_threshold is None and self.protects_short_prompts:
             if self.auto_budget:
-                return self.token_budget
+                return min(AUTO_LONG_THRESHOLD, self.token_budget)
             return LONG_PROMPT_CHUNKS * self.token_budget
         return self.long_prefill_token_threshold
 
