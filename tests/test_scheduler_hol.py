@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from sarathi_lite.scheduler import HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, SchedulerConfig, make_scheduler
 from sarathi_lite.scheduler.config import AUTO_LONG_THRESHOLD
 
+from .test_scheduler_plan import PerTokenCost
 from .test_scheduler_policies import D, P, batch, make, req, step
 from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, RequestSpec, Workload, fake_token, run
 
@@ -219,20 +220,13 @@ def test_bad_protection_settings_raise(kwargs: dict[str, object], message: str) 
         SchedulerConfig(**kwargs)
 
 
-class _LinearCost:
-    """A step time of 10 ms plus 0.1 ms per token."""
-
-    def predict_step_time(self, out) -> float:
-        return 0.010 + 1e-4 * out.num_batched_tokens
-
-
 def test_under_auto_long_prompts_keep_a_quarter_of_the_step_not_half() -> None:
     # 0.01 + 1e-4 * tokens <= 0.06 s: 496 tokens a step (whole 16-token blocks), far below the 2,048 cap
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16,
                              max_num_batched_tokens=2048, max_num_seqs=32, watermark=0.0, hol_protection=True,
                              enable_prefix_caching=False)
-    sched = make_scheduler(config, _LinearCost())
-    sched.add(req("long", 3000))  # long under "auto": above max_num_batched_tokens
+    sched = make_scheduler(config, PerTokenCost())
+    sched.add(req("long", 3000))  # long under "auto": above min(2,048, max_num_batched_tokens)
     assert batch(step(sched)) == {"long": (P, 496)}, "alone, the long prompt takes the whole step"
     sched.add(req("short", 300))  # more than half the step's prefill, less than three quarters
     out = step(sched)
@@ -250,7 +244,7 @@ def test_under_auto_a_prompt_is_long_above_2048_tokens_whatever_the_cap() -> Non
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16, max_model_len=8192,
                              max_num_seqs=32, watermark=0.0, hol_protection=True, enable_prefix_caching=False)
     assert config.max_num_batched_tokens == 8192 and config.long_threshold == AUTO_LONG_THRESHOLD == 2048
-    sched = make_scheduler(config, _LinearCost())
+    sched = make_scheduler(config, PerTokenCost())
     sched.add(req("long", 3000))
     assert batch(step(sched)) == {"long": (P, 496)}
     sched.add(req("short", 100))

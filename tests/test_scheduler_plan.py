@@ -56,7 +56,7 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     short = RequestView("short", 0, 20, 20, 1)
     decode = RequestView("d", 30, 31, 30, 2)
     plan = plan_step([long, decode], [short], config)
-    assert long_share(config, 63, 936) == config.long_chunk == 16
+    assert long_share(config, 63, 936, 64) == config.long_chunk == 16  # 63 prefill tokens of a 64-token step
     # the long prompt gets what the short one leaves (as ShortPromptProtection gives it), more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
     # short prompts that need more than the budget less the share: the long prompts are held to their share
@@ -77,7 +77,7 @@ def test_waiting_short_prompts_are_admitted_before_an_earlier_long_one():
     assert off.waiting == ["long", "s1", "s2"] and off.tokens == {"long": 64}
 
 
-class _LinearCost:
+class PerTokenCost:
     """A step time of 10 ms plus 0.1 ms per token."""
 
     def predict_step_time(self, out) -> float:
@@ -87,7 +87,7 @@ class _LinearCost:
 def test_auto_budget_plans_the_largest_step_within_the_target():
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.05, budget_safety=1.0, block_size=16,
                              max_num_batched_tokens=2048, max_num_seqs=64, hol_protection=False)
-    budget = TokenBudget(config, _LinearCost())
+    budget = TokenBudget(config, PerTokenCost())
     decodes = [RequestView(f"d{i}", 100, 101, 100, i) for i in range(40)]
     plan = plan_step(decodes, [RequestView("p", 0, 5000, 5000, 99)], config, budget)
     assert plan.predicted_step_time <= 0.05
@@ -102,7 +102,7 @@ def test_under_auto_the_long_share_inside_vllm_is_taken_from_the_cap_not_the_ste
     # step) beside short prompts that want more, as measured best inside vLLM (see plan_step)
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16,
                              max_num_batched_tokens=2048, max_num_seqs=64)
-    budget = TokenBudget(config, _LinearCost())
+    budget = TokenBudget(config, PerTokenCost())
     long = RequestView("long", 496, 5000, 5000, 0)  # long under "auto": above max_num_batched_tokens
     shorts = [RequestView(f"s{i}", 0, 200, 200, i + 1) for i in range(3)]
     plan = plan_step([long], shorts, config, budget)

@@ -14,14 +14,14 @@ if TYPE_CHECKING:
     from .base import Scheduler
 
 
-def long_share(config: SchedulerConfig, budget: int, long_remaining: int, step_tokens: int | None = None) -> int:
+def long_share(config: SchedulerConfig, budget: int, long_remaining: int, step_tokens: int) -> int:
     """The prefill tokens kept for the long prompts mid-prefill in an iteration short prompts fill first:
     ``min(long_chunk, budget // 2, long_remaining)`` (``budget``: the iteration's prefill tokens;
     ``long_remaining``: the prefill tokens they still need), so they progress every iteration while at least half
     of ``budget`` is always the short prompts'. ``long_chunk`` is ``config.long_chunk_for(step_tokens)``, with
-    ``step_tokens`` the iteration's whole budget (decodes and prefill; default ``budget``): under
+    ``step_tokens`` the iteration's whole budget (decodes and prefill): under
     ``chunk_size="auto"`` a quarter of the step, as a fixed chunk size keeps a quarter of its chunk."""
-    return min(config.long_chunk_for(budget if step_tokens is None else step_tokens), budget // 2, long_remaining)
+    return min(config.long_chunk_for(step_tokens), budget // 2, long_remaining)
 
 
 class ShortPromptProtection:

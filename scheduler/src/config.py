@@ -16,11 +16,12 @@ HOL_ADMISSION_BOUND = 1
 # traffic; four keeps every measured ordinary trace unchanged (docs/design/scheduler.md, head-of-line protection;
 # docs/results/hol_protection.md).
 LONG_PROMPT_CHUNKS = 4
+DEFAULT_CHUNK_SIZE = 512
 # With chunk_size="auto" the steps vary, so a prompt is long (by default) above what the default fixed chunk size
-# calls long, LONG_PROMPT_CHUNKS * 512 = 2,048 tokens (or above max_num_batched_tokens, if less): a threshold of
-# max_num_batched_tokens alone (8,192 for a model of 8k context) left every prompt the steps really chunk, at a
-# few hundred tokens each, unprotected (docs/results/vllm_plugin.md, the evening re-run).
-AUTO_LONG_THRESHOLD = LONG_PROMPT_CHUNKS * 512
+# calls long, LONG_PROMPT_CHUNKS * DEFAULT_CHUNK_SIZE = 2,048 tokens (or above max_num_batched_tokens, if less):
+# a threshold of max_num_batched_tokens alone (8,192 for a model of 8k context) left every prompt the steps really
+# chunk, at a few hundred tokens each, unprotected (docs/results/vllm_plugin.md, the evening re-run).
+AUTO_LONG_THRESHOLD = LONG_PROMPT_CHUNKS * DEFAULT_CHUNK_SIZE
 
 
 @dataclass(slots=True)
@@ -109,7 +110,7 @@ class SchedulerConfig:
 
     policy: str = field(default="sarathi", metadata={
         "help": "the batching policy"})
-    chunk_size: int | str = field(default=512, metadata={
+    chunk_size: int | str = field(default=DEFAULT_CHUNK_SIZE, metadata={
         "help": "token budget per iteration of the chunked policies (sarathi, simple_chunking), or auto: each "
                 "iteration's budget chosen so the step cost_model predicts fits tbt_slo"})
     max_num_seqs: int = field(default=128, metadata={
