@@ -21,7 +21,6 @@ Prints a table and writes JSON (command, date, commit, machine; simulated: the n
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -30,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vllm_plugin import long_tail  # the mix its real runs replay (this script's folder is on sys.path)
 
 from sarathi_lite.bench.results import commit, host
-from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
 
@@ -45,19 +44,6 @@ SYSTEMS: dict[str, tuple[str, int | str, dict[str, Any]]] = {
     "auto-p99": ("sarathi", "auto", {"tbt_slo": SLO, "tbt_percentile": 99.0, "max_num_batched_tokens": 2048}),
     "auto-fixed": ("sarathi", "auto", {"tbt_slo": SLO, "budget_safety": 0.9, "max_num_batched_tokens": 2048}),
 }
-
-
-def long_tail(tmp: Path, seed: int, num_requests: int, qps: float, long_prompt: int, long_every: int) -> Workload:
-    """The mix of ``benchmarks/vllm_plugin.py``'s ``long_tail`` for ``seed``."""
-    rng = np.random.default_rng(seed)
-    lengths = [(long_prompt if i % long_every == long_every - 1 else int(rng.integers(32, 257)),
-                int(rng.integers(32, 65))) for i in range(num_requests)]
-    path = tmp / f"long_tail_{seed}.csv"
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["num_prefill_tokens", "num_decode_tokens"])
-        w.writerows(lengths)
-    return Workload.from_trace(path, qps=qps, seed=seed)
 
 
 def main() -> None:

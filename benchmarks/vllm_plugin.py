@@ -154,11 +154,13 @@ def _trace(path: Path, lengths: list[tuple[int, int]], qps: float, seed: int) ->
     return Workload.from_trace(path, qps=qps, seed=seed)
 
 
-def long_tail(args: argparse.Namespace, tmp: Path, seed: int) -> Workload:
+def long_tail(tmp: Path, seed: int, num_requests: int, qps: float, long_prompt: int, long_every: int) -> Workload:
+    """The long-tail mix: every ``long_every``-th prompt ``long_prompt`` tokens, the others 32-256, outputs 32-64,
+    Poisson at ``qps``, all drawn from ``seed`` (its trace file under ``tmp``)."""
     rng = np.random.default_rng(seed)
-    lengths = [(args.long_prompt if i % args.long_every == args.long_every - 1 else int(rng.integers(32, 257)),
-                int(rng.integers(32, 65))) for i in range(args.num_requests)]
-    return _trace(tmp / f"long_tail_{seed}.csv", lengths, args.qps, seed)
+    lengths = [(long_prompt if i % long_every == long_every - 1 else int(rng.integers(32, 257)),
+                int(rng.integers(32, 65))) for i in range(num_requests)]
+    return _trace(tmp / f"long_tail_{seed}.csv", lengths, qps, seed)
 
 
 def conversation(args: argparse.Namespace, qps: float, seed: int) -> Workload:
@@ -265,7 +267,7 @@ def main() -> None:
             for rnd in range(args.rounds):
                 order = names if rnd % 2 == 0 else names[::-1]
                 if phase == "long-tail":
-                    wl = long_tail(args, tmp, rnd)
+                    wl = long_tail(tmp, rnd, args.num_requests, args.qps, args.long_prompt, args.long_every)
                     for name in order:
                         drive(running[name].url, name, phase, args.qps, rnd, wl)
                     continue
