@@ -15,7 +15,8 @@ setup(
               "sarathi_lite.scheduler", "sarathi_lite.kernels", "sarathi_lite.server", "sarathi_lite.integrations",
               "sarathi_lite.integrations.vllm", "sarathi_lite.plan"],
     package_data={"sarathi_lite.bench.traces": ["*.csv", "README.md", "LICENSE"],
-                  "sarathi_lite.costs": ["data/*.json", "data/README.md", "data/LICENSE"]},
+                  "sarathi_lite.costs": ["data/*.json", "data/README.md", "data/LICENSE"],
+                  "sarathi_lite.kernels": ["csrc/*.c"]},
     package_dir={
         "sarathi_lite": "sarathi_lite",
         "sarathi_lite.scheduler": "scheduler/src",

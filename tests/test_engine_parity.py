@@ -40,23 +40,27 @@ def test_greedy_matches_hf_for_every_policy_chunk_and_block_size(tiny_checkpoint
         assert any(it.num_prefills and it.num_decodes for it in its), "no hybrid batch was formed"
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_matches_hf_when_a_small_kv_pool_forces_preemption(tiny_checkpoints, hf_reference, policy,
-                                                                  block_size):
+                                                                  block_size, backend):
     # Prompts of up to 120 tokens with up to 40 outputs each, 14 of them, in a pool of 192 token slots: decodes
     # run out of blocks and the most recent arrivals are preempted and recomputed.
     engine = LLMEngine(tiny_checkpoints["llama"], scheduler=policy, chunk_size=32, block_size=block_size,
-                       num_kv_blocks=192 // block_size, device="cpu", attention_backend="torch")
+                       num_kv_blocks=192 // block_size, device="cpu", attention_backend=backend)
+    assert engine.runner.attention_backend == backend
     check_run(engine, hf_reference("llama"), seed=11, max_prompt=120, max_output=40)
     assert sum(r.num_preemptions for r in engine.stats().requests) > 0, "the pool did not force a preemption"
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])  # cpu: the decodes in the compiled kernel
 @pytest.mark.parametrize("chunk_size", [7, 4096])
 @pytest.mark.parametrize("kind", ["llama3", "llama_hd64", "mistral", "qwen2"])
-def test_greedy_matches_hf_for_llama3_mistral_and_qwen2(tiny_checkpoints, hf_reference, kind, chunk_size):
+def test_greedy_matches_hf_for_llama3_mistral_and_qwen2(tiny_checkpoints, hf_reference, kind, chunk_size, backend):
     engine = LLMEngine(tiny_checkpoints[kind], scheduler="sarathi", chunk_size=chunk_size, block_size=16,
-                       num_kv_blocks=32, device="cpu", attention_backend="torch")
+                       num_kv_blocks=32, device="cpu", attention_backend=backend)
+    assert engine.runner.attention_backend == backend
     check_run(engine, hf_reference(kind), seed=5)
 
 

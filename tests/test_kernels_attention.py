@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+import sarathi_lite.kernels as kernels
 from sarathi_lite.kernels import (
+    CpuPagedAttention,
     AttentionMetadata,
     TorchPagedAttention,
     build_attention_metadata,
@@ -80,10 +83,20 @@ def dense_reference(case: PagedCase, window_left: int = -1) -> torch.Tensor:
     return torch.cat(out) if out else torch.empty(0, hq, D, dtype=torch.float64)
 
 
-def run(case: PagedCase, hq: int, hkv: int, window_left: int = -1, bucket_overhead: float = 256.0) -> torch.Tensor:
-    backend = TorchPagedAttention(hq, hkv, D, window_left=window_left, bucket_overhead=bucket_overhead)
-    backend.plan(case.meta)
-    return backend.forward(case.q, case.k, case.v, case.cache)
+BACKENDS = ["torch", "cpu"]  # the pure-torch reference, and its decodes in the compiled CPU kernel
+
+
+def make_backend(name: str, hq: int, hkv: int, window_left: int = -1, bucket_overhead: float = 256.0):
+    if name == "cpu":
+        return CpuPagedAttention(hq, hkv, D, window_left=window_left)
+    return TorchPagedAttention(hq, hkv, D, window_left=window_left, bucket_overhead=bucket_overhead)
+
+
+def run(case: PagedCase, hq: int, hkv: int, window_left: int = -1, bucket_overhead: float = 256.0,
+        backend: str = "torch") -> torch.Tensor:
+    attention = make_backend(backend, hq, hkv, window_left, bucket_overhead)
+    attention.plan(case.meta)
+    return attention.forward(case.q, case.k, case.v, case.cache)
 
 
 HYBRID = dict(  # decodes with long contexts, a chunk continuing a prompt, a whole prompt, a one-token prompt
@@ -95,15 +108,17 @@ HYBRID = dict(  # decodes with long contexts, a chunk continuing a prompt, a who
 @pytest.mark.parametrize("window_left", [-1, 6])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])
-def test_hybrid_batch_matches_dense_attention_per_request(hq, hkv, block_size, window_left):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hybrid_batch_matches_dense_attention_per_request(hq, hkv, block_size, window_left, backend):
     case = make_case(**HYBRID, hq=hq, hkv=hkv, block_size=block_size, seed=block_size + hq)
-    out = run(case, hq, hkv, window_left, bucket_overhead=8.0)  # a small overhead: several decode buckets
+    out = run(case, hq, hkv, window_left, bucket_overhead=8.0, backend=backend)  # torch: several decode buckets
     assert out.shape == case.q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, dense_reference(case, window_left).float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_random_hybrid_batches_match_dense_attention(seed):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_hybrid_batches_match_dense_attention(seed, backend):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 12))
     q_lens = [int(x) if rng.random() < 0.4 else 1 for x in rng.integers(2, 40, n)]
@@ -112,7 +127,8 @@ def test_random_hybrid_batches_match_dense_attention(seed):
     hq = hkv * int(rng.choice([1, 3, 4]))
     window = int(rng.choice([-1, 0, 17]))
     case = make_case(q_lens, ctx_lens, hq, hkv, block_size=int(rng.choice([1, 3, 16])), seed=seed)
-    torch.testing.assert_close(run(case, hq, hkv, window, bucket_overhead=float(rng.choice([0, 32, 1e9]))),
+    torch.testing.assert_close(run(case, hq, hkv, window, bucket_overhead=float(rng.choice([0, 32, 1e9])),
+                                   backend=backend),
                                dense_reference(case, window).float(), atol=1e-5, rtol=1e-5)
 
 
@@ -121,25 +137,28 @@ def test_random_hybrid_batches_match_dense_attention(seed):
     ([7, 12], [0, 30]),  # prefill chunks only
     ([], []),  # nothing scheduled
 ], ids=["decodes-only", "prefills-only", "empty"])
-def test_decode_only_prefill_only_and_empty_batches_match_dense_attention(q_lens, ctx_lens):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_only_prefill_only_and_empty_batches_match_dense_attention(q_lens, ctx_lens, backend):
     case = make_case(q_lens, ctx_lens, hq=6, hkv=2, block_size=3)
-    out = run(case, 6, 2)
+    out = run(case, 6, 2, backend=backend)
     assert out.shape == (sum(q_lens), 6, D)
     torch.testing.assert_close(out, dense_reference(case).float(), atol=1e-5, rtol=1e-5)
 
 
-def test_uninitialised_cache_slots_never_reach_the_output():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uninitialised_cache_slots_never_reach_the_output(backend):
     # every slot outside the requests' contexts is NaN (make_case), including the tails of last pages and the
     # padding of decode buckets; one bucket pads a context of 2 up to 61
     case = make_case([1, 1, 5], [60, 1, 3], hq=4, hkv=2, block_size=16)
-    out = run(case, 4, 2, bucket_overhead=1e9)
+    out = run(case, 4, 2, bucket_overhead=1e9, backend=backend)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, dense_reference(case).float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_what_the_unused_cache_slots_hold_changes_no_bit_of_the_output(block_size, dtype):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_what_the_unused_cache_slots_hold_changes_no_bit_of_the_output(block_size, dtype, backend):
     # one decode bucket padded to its longest context, beside a chunk: the padding columns are masked out, so
     # the output is bit for bit the same whether the unused slots hold NaN, zeros or large random values
     q_lens, ctx_lens = [1, 1, 1, 1, 1, 7, 1], [90, 3, 0, 41, 41, 20, 17]
@@ -152,21 +171,22 @@ def test_what_the_unused_cache_slots_hold_changes_no_bit_of_the_output(block_siz
         elif fill == "random":
             case.cache[unused] = (1e3 * torch.randn(int(unused.sum()), generator=torch.Generator().manual_seed(3))
                                   ).to(dtype)
-        outs.append([run(case, 6, 2, window, bucket_overhead=1e9) for window in (-1, 5)])
+        outs.append([run(case, 6, 2, window, bucket_overhead=1e9, backend=backend) for window in (-1, 5)])
     for other in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
 
 
-def test_a_non_contiguous_cache_is_written_and_read_like_a_contiguous_one():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_contiguous_cache_is_written_and_read_like_a_contiguous_one(backend):
     case = make_case(**HYBRID, hq=6, hkv=2, block_size=3)
     wide = torch.full((*case.cache.shape[:-1], 2 * D), float("nan"))
     strided = wide[..., :D]
     strided.copy_(case.cache)
     assert not strided.is_contiguous()
-    out = TorchPagedAttention(6, 2, D)
+    out = make_backend(backend, 6, 2)
     out.plan(case.meta)
     got = out.forward(case.q, case.k, case.v, strided)
-    assert torch.equal(got, run(case, 6, 2))
+    assert torch.equal(got, run(case, 6, 2, backend=backend))
     torch.testing.assert_close(strided, case.cache, atol=0, rtol=0, equal_nan=True)
 
 
@@ -201,20 +221,22 @@ def test_prompt_run_in_chunks_over_the_paged_cache_equals_one_full_pass(chunk):
     torch.testing.assert_close(torch.cat(outs), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_backend_is_reusable_across_steps_with_growing_and_shrinking_batches():
-    backend = TorchPagedAttention(6, 2, D)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_is_reusable_across_steps_with_growing_and_shrinking_batches(backend):
+    attention = make_backend(backend, 6, 2)
     for seed, (q_lens, ctx_lens) in enumerate([([1] * 3, [5, 9, 2]), (HYBRID["q_lens"], HYBRID["ctx_lens"]),
                                                ([3], [1])]):
         case = make_case(q_lens, ctx_lens, 6, 2, block_size=3, seed=seed)
-        backend.plan(case.meta)
-        out = backend.forward(case.q, case.k, case.v, case.cache)
+        attention.plan(case.meta)
+        out = attention.forward(case.q, case.k, case.v, case.cache)
         torch.testing.assert_close(out, dense_reference(case).float(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-def test_half_precision_inputs_match_dense_attention_within_their_precision(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,backend", [(torch.bfloat16, 2e-2, "torch"), (torch.float16, 2e-3, "torch"),
+                                               (torch.bfloat16, 2e-2, "cpu")])
+def test_half_precision_inputs_match_dense_attention_within_their_precision(dtype, tol, backend):
     case = make_case(**HYBRID, hq=6, hkv=2, block_size=16, dtype=dtype)
-    out = run(case, 6, 2, window_left=6)
+    out = run(case, 6, 2, window_left=6, backend=backend)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), dense_reference(case, 6).float(), atol=tol, rtol=tol)
 
@@ -232,10 +254,23 @@ def test_bucket_by_length_partitions_the_requests_and_trades_padding_for_fewer_b
 
 
 def test_get_attention_backend_returns_torch_for_torch_and_for_auto_without_cuda(monkeypatch):
-    assert isinstance(get_attention_backend("torch", 9, 3, 64), TorchPagedAttention)
+    assert type(get_attention_backend("torch", 9, 3, 64)) is TorchPagedAttention
     backend = get_attention_backend("auto", 9, 3, 64, window_left=4, device="cpu", dtype=torch.float32)
-    assert isinstance(backend, TorchPagedAttention)
+    assert type(backend) is CpuPagedAttention  # the compiled kernel builds on this machine
     assert (backend.scale, backend.window_left) == (64 ** -0.5, 4)
+    assert type(get_attention_backend("auto", 9, 3, 64, device="cpu", dtype=torch.bfloat16)) is CpuPagedAttention
+    # what the kernel does not take falls back to the torch path under auto, and is refused by name under cpu
+    for dtype, head_dim, heads, why in [(torch.float16, 64, (9, 3), "float16"), (torch.float32, 48, (9, 3), "48"),
+                                        (torch.float32, 64, (34, 2), "17 query heads")]:
+        assert type(get_attention_backend("auto", *heads, head_dim, dtype=dtype)) is TorchPagedAttention
+        with pytest.raises(RuntimeError, match=why):
+            get_attention_backend("cpu", *heads, head_dim, dtype=dtype)
+    with pytest.raises(RuntimeError, match="not the CPU"):
+        get_attention_backend("cpu", 9, 3, 64, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "paged_decode_library", lambda: None)  # no compiler, or SARATHI_LITE_NATIVE=0
+    assert type(get_attention_backend("auto", 9, 3, 64, device="cpu")) is TorchPagedAttention
+    with pytest.raises(RuntimeError, match="did not build or load"):
+        get_attention_backend("cpu", 9, 3, 64)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert isinstance(get_attention_backend("auto", 9, 3, 64, device="cuda", dtype=torch.bfloat16),
                       TorchPagedAttention)
@@ -263,3 +298,23 @@ def test_get_attention_backend_rejects_an_unknown_name_by_name():
 def test_importing_the_kernels_never_imports_flashinfer():
     code = "import sys, sarathi_lite.kernels; assert 'flashinfer' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_compiled_kernel_is_built_once_per_source_and_a_missing_compiler_is_named(tmp_path, monkeypatch):
+    from sarathi_lite.kernels import cpu_native
+
+    lib = cpu_native.build(tmp_path)
+    assert lib.parent == tmp_path and lib.name.startswith("paged_decode-") and lib.suffix == ".so"
+    stamp = lib.stat().st_mtime_ns
+    assert cpu_native.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # cached: not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temporary left behind
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C compiler found.*no-such-compiler"):
+        cpu_native.build(tmp_path / "other")
+
+
+def test_sarathi_lite_native_0_turns_the_compiled_kernel_off():
+    code = ("import torch; from sarathi_lite.kernels import get_attention_backend, TorchPagedAttention; "
+            "assert type(get_attention_backend('auto', 9, 3, 64)) is TorchPagedAttention")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "SARATHI_LITE_NATIVE": "0"})

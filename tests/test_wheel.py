@@ -1,5 +1,6 @@
 """The package works installed, not only from the checkout: build a wheel, install it (not editable) into a fresh
-virtual environment, and from a folder outside the checkout load a built-in trace (package data), print
+virtual environment, and from a folder outside the checkout load a built-in trace (package data), build the CPU
+kernel from its shipped source, print
 ``sarathi-lite bench --help`` and run a 3-request synthetic ``bench`` on a tiny random model."""
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def test_a_built_wheel_runs_from_outside_the_checkout(tmp_path, tiny_checkpoints
                                       "w = Workload.from_trace('conversation', num_requests=3, qps=1.0)\n"
                                       "print(len(w.requests), w.source['trace'])"], outside, env)
     assert loaded.split() == ["3", "conversation"]
+    # the compiled CPU kernel's source ships in the wheel and builds from there
+    built = _run([str(python), "-c", "import sys; from pathlib import Path; from sarathi_lite.kernels import cpu_native\n"
+                                     "print(cpu_native.SOURCE.is_file(), cpu_native.build(Path(sys.argv[1])).suffix)",
+                  str(tmp_path / "native")], outside, env)
+    assert built.split() == ["True", ".so"]
 
     cli = [str(python), "-m", "sarathi_lite"]
     assert "--chunk-size" in _run([*cli, "bench", "--help"], outside, env)

@@ -19,6 +19,10 @@ from ._flashinfer import (
 )
 from .activation import silu_and_mul
 from .backend import AttentionBackend
+from .cpu_attention import DTYPES as CPU_DTYPES
+from .cpu_attention import CpuPagedAttention
+from .cpu_native import paged_decode_library
+from .cpu_native import unsupported as cpu_unsupported
 from .flashinfer_attention import FlashInferAttention
 from .metadata import AttentionMetadata, build_attention_metadata, scattered_block_tables
 from .norm import fused_add_rms_norm, rms_norm
@@ -29,6 +33,7 @@ from .torch_attention import TorchPagedAttention
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "CpuPagedAttention",
     "FlashInferAttention",
     "RotaryEmbedding",
     "TorchPagedAttention",
@@ -46,7 +51,7 @@ __all__ = [
     "silu_and_mul",
 ]
 
-BACKEND_NAMES = ("auto", "torch", "flashinfer")
+BACKEND_NAMES = ("auto", "torch", "cpu", "flashinfer")
 logger = logging.getLogger(__name__)
 
 
@@ -63,16 +68,32 @@ def _flashinfer_missing(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _cpu_missing(device: torch.device, dtype: torch.dtype, head_dim: int, num_qo_heads: int,
+                 num_kv_heads: int) -> str | None:
+    """Why the compiled CPU decode attention cannot run here, or None if it can (building it on first use)."""
+    if device.type != "cpu":
+        return f"the device is {device}, not the CPU"
+    if dtype not in CPU_DTYPES:
+        return f"the dtype is {dtype}; the compiled CPU kernel runs float32 or bfloat16"
+    why = cpu_unsupported(head_dim, num_qo_heads // num_kv_heads, num_qo_heads)
+    if why:
+        return f"the compiled CPU kernel does not take {why}"
+    if paged_decode_library() is None:
+        return "the compiled CPU kernel did not build or load (see the log)"
+    return None
+
+
 def get_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                           scale: float | None = None, window_left: int = -1,
                           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """Make the attention backend ``name`` for one attention shape.
 
-    name: "torch" (TorchPagedAttention, any device), "flashinfer" (FlashInferAttention; raises RuntimeError
+    name: "torch" (TorchPagedAttention, any device), "cpu" (CpuPagedAttention: the torch path with decodes in the
+    compiled CPU kernel; RuntimeError saying why when it cannot run here), "flashinfer" (FlashInferAttention; raises RuntimeError
     saying what is missing: CUDA, a CUDA device, a float16/bfloat16 dtype, flashinfer-python, or its kernels, which
     must load, prebuilt or compiled by nvcc, and are loaded here; ValueError for a head_dim FlashInfer lacks), or
-    "auto" (FlashInfer when all of those are present and head_dim is one of 64, 128, 256, else torch; a CUDA
-    half-precision setup that falls back for want of kernels or of a head_dim logs one warning). An unknown name
+    "auto" (FlashInfer when all of those are present and head_dim is one of 64, 128, 256; on the CPU, "cpu" when
+    its kernel builds and takes the shape and dtype; else torch; a CUDA half-precision setup that falls back for want of kernels or of a head_dim logs one warning). An unknown name
     raises ValueError.
     scale: softmax scale (default ``head_dim ** -0.5``); window_left: sliding window, -1 for none; device, dtype:
     where and in which dtype q and the KV cache will live.
@@ -81,6 +102,14 @@ def get_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     device = torch.device(device)
     if name == "torch":
+        return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        missing = _cpu_missing(device, dtype, head_dim, num_qo_heads, num_kv_heads)
+        if not missing:
+            return CpuPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
+        if name == "cpu":
+            raise RuntimeError(f"attention backend 'cpu' is unavailable: {missing}")
+        logger.debug("attention backend 'auto' uses torch: %s", missing)
         return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, scale, window_left)
     missing = _flashinfer_missing(device, dtype)
     if missing and name == "auto":

@@ -192,7 +192,13 @@ class TorchPagedAttention(AttentionBackend):
         Returns [N, num_qo_heads, head_dim] in q's dtype (softmax accumulated in float32 by SDPA's kernels).
         """
         rows = self._write(kv_cache, k, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._attend_decodes(q, rows, out)
+        self._attend_chunks(q, k, v, rows, out)
+        return out
+
+    def _attend_decodes(self, q: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """The decode buckets: one gather and one SDPA call each, written into their rows of ``out``."""
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         for idx, b in enumerate(self._buckets):
             n = len(b.rows)
@@ -202,6 +208,11 @@ class TorchPagedAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self._mask(b.mask, q.dtype, idx),
                                                scale=self.scale)
             out.index_copy_(0, b.rows, o.reshape(n, hkv * g, d))
+
+    def _attend_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """The prefill chunks, one SDPA call each (the first chunk of a prompt without reading the cache)."""
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         for idx, c in enumerate(self._chunks, start=len(self._buckets)):
             if c.mask is None:
                 out[c.start:c.end] = self._causal_chunk(q[c.start:c.end], k[c.start:c.end], v[c.start:c.end])
@@ -213,7 +224,6 @@ class TorchPagedAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self._mask(c.mask, q.dtype, idx),
                                                scale=self.scale)
             out[c.start:c.end] = o.view(hkv, q_len, g, d).permute(1, 0, 2, 3).reshape(q_len, hkv * g, d)
-        return out
 
     def _write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the step's K/V at their planned rows; return the cache as rows ``[num_blocks * 2 * block_size,

@@ -21,7 +21,7 @@ from sarathi_lite.scheduler import POLICIES, SchedulerConfig
 from sarathi_lite.scheduler.config import default_max_num_batched_tokens
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_ROLES = ("producer", "consumer", "both")
@@ -149,7 +149,8 @@ class _EngineConfigFields:
     device: str | None = field(default=None, metadata={
         "help": "a torch device such as cpu or cuda (default: cuda when available)"})
     attention_backend: str = field(default="auto", metadata={
-        "choices": ATTENTION_BACKENDS, "help": "auto: FlashInfer on CUDA when usable, else torch"})
+        "choices": ATTENTION_BACKENDS, "help": "auto: FlashInfer on CUDA when usable; on the CPU, cpu (the "
+                "torch path with decodes in a compiled kernel) when it builds; else torch"})
     load_format: str = field(default="auto", metadata={
         "choices": LOAD_FORMATS, "help": "auto: safetensors; dummy: random weights (to benchmark model shapes)"})
     record_batches: bool = field(default=False, metadata={
