@@ -13,8 +13,8 @@ import torch
 
 import sarathi_lite.kernels as kernels
 from sarathi_lite.kernels import (
-    CpuPagedAttention,
     AttentionMetadata,
+    CpuPagedAttention,
     TorchPagedAttention,
     build_attention_metadata,
     flashinfer_available,

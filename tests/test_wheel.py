@@ -63,7 +63,8 @@ def test_a_built_wheel_runs_from_outside_the_checkout(tmp_path, tiny_checkpoints
                                       "print(len(w.requests), w.source['trace'])"], outside, env)
     assert loaded.split() == ["3", "conversation"]
     # the compiled CPU kernel's source ships in the wheel and builds from there
-    built = _run([str(python), "-c", "import sys; from pathlib import Path; from sarathi_lite.kernels import cpu_native\n"
+    built = _run([str(python), "-c", "import sys; from pathlib import Path\n"
+                                     "from sarathi_lite.kernels import cpu_native\n"
                                      "print(cpu_native.SOURCE.is_file(), cpu_native.build(Path(sys.argv[1])).suffix)",
                   str(tmp_path / "native")], outside, env)
     assert built.split() == ["True", ".so"]

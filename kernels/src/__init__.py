@@ -89,12 +89,12 @@ def get_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_
     """Make the attention backend ``name`` for one attention shape.
 
     name: "torch" (TorchPagedAttention, any device), "cpu" (CpuPagedAttention: the torch path with decodes in the
-    compiled CPU kernel; RuntimeError saying why when it cannot run here), "flashinfer" (FlashInferAttention; raises RuntimeError
-    saying what is missing: CUDA, a CUDA device, a float16/bfloat16 dtype, flashinfer-python, or its kernels, which
-    must load, prebuilt or compiled by nvcc, and are loaded here; ValueError for a head_dim FlashInfer lacks), or
-    "auto" (FlashInfer when all of those are present and head_dim is one of 64, 128, 256; on the CPU, "cpu" when
-    its kernel builds and takes the shape and dtype; else torch; a CUDA half-precision setup that falls back for want of kernels or of a head_dim logs one warning). An unknown name
-    raises ValueError.
+    compiled CPU kernel; RuntimeError saying why when it cannot run here), "flashinfer" (FlashInferAttention;
+    raises RuntimeError saying what is missing: CUDA, a CUDA device, a float16/bfloat16 dtype, flashinfer-python,
+    or its kernels, which must load, prebuilt or compiled by nvcc, and are loaded here; ValueError for a head_dim
+    FlashInfer lacks), or "auto" (FlashInfer when all of those are present and head_dim is one of 64, 128, 256; on
+    the CPU, "cpu" when its kernel builds and takes the shape and dtype; else torch; a CUDA half-precision setup
+    that falls back for want of kernels or of a head_dim logs one warning). An unknown name raises ValueError.
     scale: softmax scale (default ``head_dim ** -0.5``); window_left: sliding window, -1 for none; device, dtype:
     where and in which dtype q and the KV cache will live.
     """
