@@ -157,7 +157,7 @@ def compare_greedy(ours: list[list[int]], vllm: list[list[int]]) -> dict[str, An
 
 def offline(args: argparse.Namespace, workload: dict, tmp: Path, rows: list[dict], greedy: list[dict]) -> None:
     keep = ("output_tokens_per_s", "elapsed_s", "startup_s", "construct_s", "import_s", "process_s", "threads",
-            "token_budget", "versions", "load_before", "load_after")
+            "token_budget", "attention_backend", "versions", "load_before", "load_after")
     for rnd in range(args.rounds):
         for dtype in args.dtypes:
             tokens = {}
@@ -165,7 +165,7 @@ def offline(args: argparse.Namespace, workload: dict, tmp: Path, rows: list[dict
                 result = offline_run(args, system, dtype, workload, tmp)
                 tokens[system] = result["tokens"]
                 row = {"mode": "offline", "system": system, "dtype": dtype, "round": rnd,
-                       **{k: _rounded(result[k]) for k in keep}}
+                       **{k: _rounded(result.get(k)) for k in keep}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if dtype == "float32":

@@ -42,7 +42,8 @@ def run_ours(spec: dict) -> dict:
     return {"import_s": imported - t0, "construct_s": constructed - imported, "startup_s": first - imported,
             "first_request_s": first, "elapsed_s": elapsed, "tokens": [list(r.token_ids) for r in results],
             "threads": torch.get_num_threads(), "versions": {"torch": torch.__version__},
-            "token_budget": llm.engine.scheduler_config.token_budget}
+            "token_budget": llm.engine.scheduler_config.token_budget,
+            "attention_backend": llm.engine.runner.attention_backend}
 
 
 def run_vllm(spec: dict) -> dict:
