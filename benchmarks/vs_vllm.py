@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -416,12 +417,27 @@ def main() -> None:
     write_report(args, code, started, offline_rows, online_rows, greedy, startups)
 
 
+def installed_versions(args: argparse.Namespace) -> dict[str, str]:
+    """torch here, and torch and vLLM in vLLM's environment, from the package metadata (nothing imported)."""
+    code = ("import importlib.metadata as m, json; print(json.dumps({'vllm_torch': m.version('torch'), "
+            "'vllm': m.version('vllm').split('+')[0]}))")
+    found = {"torch": importlib.metadata.version("torch")}
+    try:
+        done = subprocess.run([str(venv_python(args)), "-c", code], capture_output=True, text=True, timeout=60)
+        found.update(json.loads(done.stdout))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return found
+
+
 def write_report(args: argparse.Namespace, code: str | None, started: float, offline_rows: list[dict],
                  online_rows: list[dict], greedy: list[dict], startups: list[dict]) -> None:
     versions: dict[str, str] = {}
     for row in offline_rows:
         versions.update({("vllm_torch" if row["system"] == "vllm" and k == "torch" else k): v
                          for k, v in row.pop("versions").items()})
+    if "vllm" not in versions:  # online only: ask the installations
+        versions.update(installed_versions(args))
     hidden = ("model", "vllm_venv", "out", "quick", "trace")
     report = {"command": "python benchmarks/vs_vllm.py " + " ".join(_portable(a) for a in sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "commit": code,
