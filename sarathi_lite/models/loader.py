@@ -20,6 +20,7 @@ from sarathi_lite.models.parallel import (
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
+    pack_weights,
 )
 from sarathi_lite.models.pipeline import PipelineParallel, PipelineStageModel
 from sarathi_lite.models.registry import model_spec
@@ -72,6 +73,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_
     else:
         raise ValueError(f"load_format={load_format!r} must be 'auto' or 'dummy'")
     model.init_rotary(device)
+    pack_weights(model)  # bfloat16 on the CPU: the projections' weights in oneDNN's layout
     return model.eval()
 
 

@@ -15,6 +15,10 @@ every layer below an ordinary unsharded layer with no communication, so one mode
 Grouped-query attention: with ``num_kv_heads >= size`` each rank holds ``num_kv_heads / size`` KV heads; with
 fewer KV heads than ranks, each KV head is replicated on ``size / num_kv_heads`` ranks (its query heads are split
 among them). Anything else is refused by ``check_tensor_parallel`` (``models.config``) with the numbers.
+
+On the CPU, ``pack_weights`` gives each projection a copy of its bfloat16 weight in the blocked layout oneDNN's
+matmul reads fastest (``torch.ops.mkldnn``; the layout the CPU's AMX / AVX-512 kernels block it into on every
+call otherwise); ``linear`` uses it while the weight is unchanged since, and ``nn.functional.linear`` otherwise.
 """
 
 from __future__ import annotations
@@ -85,7 +89,50 @@ class AttentionShard:
         return cls(num_heads, num_kv, tp.rank * num_heads, tp.rank * cfg.num_kv_heads // tp.size)
 
 
-class ColumnParallelLinear(nn.Module):
+PACK_BATCH_HINT = 32
+"""The rows (tokens) oneDNN is told to expect when it picks a packed weight's layout: a decode step's size; any
+number of rows runs on it."""
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedWeight(nn.Module):
+    """A projection whose ``weight`` ([out, in]) may carry a packed copy (``pack``, see the module docstring)."""
+
+    weight: nn.Parameter
+    _packed: torch.Tensor | None = None
+    _packed_version = -1
+
+    def pack(self) -> bool:
+        """Make (or drop) the packed copy of ``weight``; returns whether it has one now."""
+        w = self.weight
+        if not _can_pack(w):
+            self._packed = None
+            return False
+        with torch.no_grad():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+        self._packed_version = w._version
+        return True
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``, on the packed copy when it is current (the weight not written since)."""
+        packed = self._packed
+        if (packed is not None and x.dtype == packed.dtype and x.device.type == "cpu"
+                and self._packed_version == self.weight._version and not torch.is_grad_enabled()):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return nn.functional.linear(x, self.weight, bias)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Pack every projection of ``model`` that can be (bfloat16 on the CPU with oneDNN; see the module
+    docstring); returns how many were. Costs one more copy of those weights in memory."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, PackedWeight))
+
+
+class ColumnParallelLinear(PackedWeight):
     """``y = x @ W.T + b`` with the output features split across ranks.
 
     parts: ``(full_size, start, size)`` per fused part: this rank holds rows ``start .. start + size`` of a part
@@ -108,10 +155,10 @@ class ColumnParallelLinear(nn.Module):
         return offset, size, full[start:start + size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackedWeight):
     """``y = x @ W.T + b`` with the input features split: this rank holds columns ``start .. start + size`` of
     ``W`` ([out_features, size]) and sums its partial product with the other ranks' in one all-reduce.
 
@@ -129,7 +176,7 @@ class RowParallelLinear(nn.Module):
         return full[:, self.start:self.start + self.size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.all_reduce(self.linear(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -163,7 +210,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackedWeight):
     """The output projection with the vocabulary split like ``VocabParallelEmbedding`` (whose weight it shares
     when the embeddings are tied). forward: hidden [M, hidden] -> logits [M, vocab_size] float32 on rank 0,
     ``None`` on the other ranks."""
@@ -178,5 +225,5 @@ class ParallelLMHead(nn.Module):
         return full[self.start:self.stop]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_last_dim(nn.functional.linear(hidden, self.weight).float())
+        logits = self.tp.gather_last_dim(self.linear(hidden).float())
         return None if logits is None else logits[:, :self.vocab_size]
