@@ -55,3 +55,9 @@ def test_a_weight_written_after_packing_is_read_directly(tiny_checkpoints):
     with torch.inference_mode():
         assert proj.linear(x).abs().max().item() == 0
     assert proj.pack() and proj._packed_version == proj.weight._version  # packing again takes the new weight
+
+
+def test_sarathi_lite_native_0_packs_nothing(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("SARATHI_LITE_NATIVE", "0")
+    model = load_model(tiny_checkpoints["llama"], torch.bfloat16, torch.device("cpu"))
+    assert pack_weights(model) == 0 and all(m._packed is None for m in _projections(model))

@@ -76,10 +76,16 @@ def build(out_dir: Path | None = None) -> Path:
     return lib
 
 
+def native_enabled() -> bool:
+    """False when ``SARATHI_LITE_NATIVE=0``: the switch that turns every CPU fast path off (this compiled kernel,
+    and the packed bfloat16 weights of ``models.parallel.pack_weights``), leaving the plain torch paths."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
 @functools.cache
 def paged_decode_library() -> ctypes.CDLL | None:
     """The loaded kernel with its signature set, or None (see the module docstring); built on first use."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not native_enabled():
         logger.info("native CPU kernels off (%s=0)", DISABLE_ENV)
         return None
     try:

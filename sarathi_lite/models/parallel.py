@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sarathi_lite.kernels.cpu_native import native_enabled
 from sarathi_lite.models.config import ModelConfig
 
 
@@ -128,7 +129,10 @@ class PackedWeight(nn.Module):
 
 def pack_weights(model: nn.Module) -> int:
     """Pack every projection of ``model`` that can be (bfloat16 on the CPU with oneDNN; see the module
-    docstring); returns how many were. Costs one more copy of those weights in memory."""
+    docstring); returns how many were. Costs one more copy of those weights in memory. ``SARATHI_LITE_NATIVE=0``
+    (the switch of every CPU fast path, ``kernels.cpu_native``) packs none."""
+    if not native_enabled():
+        return 0
     return sum(m.pack() for m in model.modules() if isinstance(m, PackedWeight))
 
 
