@@ -29,6 +29,7 @@ import torch
 from sarathi_lite import LLMEngine, SamplingParams
 from sarathi_lite.bench.replay import step_seconds
 from sarathi_lite.kernels.metadata import scattered_block_tables
+from sarathi_lite.models.parallel import PackedWeight
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -128,10 +129,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=20, help="operators shown per table")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="time the steps only (for A/B runs)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="drop the packed bfloat16 weights after loading (A/B of packing alone)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     engine = LLMEngine(args.model, dtype=args.dtype, device="cpu")
+    packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedWeight) and m._packed is not None]
+    if args.unpacked:
+        for m in packed:
+            m._packed = None
     rng = np.random.default_rng(0)
     lo, hi = args.decode_context
     steps = {
@@ -142,7 +149,8 @@ def main() -> None:
                       [0] + rng.integers(lo, hi + 1, args.side_decodes).tolist()),
     }
     peak_flops, peak_bw = (None, None) if args.no_probe else probes(engine.dtype)
-    print(f"{engine.model_path.name}, {engine.dtype}, {torch.get_num_threads()} threads, attention "
+    print(f"{engine.model_path.name}, {engine.dtype}, {torch.get_num_threads()} threads, "
+          f"{0 if args.unpacked else len(packed)} packed weights, attention "
           f"{engine.runner.attention_backend}, load average {open('/proc/loadavg').read().split()[:3]}")
     if peak_flops:
         print(f"probes: matmul 1024^3 {peak_flops:.1f} GFLOP/s, memory copy {peak_bw:.1f} GB/s (read + write)")

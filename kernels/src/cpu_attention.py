@@ -22,6 +22,10 @@ from .metadata import AttentionMetadata
 from .torch_attention import TorchPagedAttention
 
 DTYPES = (torch.float32, torch.bfloat16)
+PARALLEL_GRAIN = 1 << 15
+"""Query-head x context-token dot products below which the kernel runs on one thread: a parallel region costs a
+barrier, and with more threads than free cores (several engine processes on one machine) a spinning barrier costs
+far more than such a call's work (torch's own ops stay single-threaded under a similar grain)."""
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -44,6 +48,7 @@ class CpuPagedAttention(TorchPagedAttention):
             raise RuntimeError("the compiled CPU decode attention is unavailable (see the log; "
                                "SARATHI_LITE_NATIVE=0 turns it off); use attention_backend='torch'")
         self._decodes: tuple[np.ndarray, ...] = ()
+        self._threads = 1
 
     def _plan_decodes(self, meta: AttentionMetadata, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
                       kv_indices: np.ndarray) -> list:
@@ -56,6 +61,8 @@ class CpuPagedAttention(TorchPagedAttention):
         self._decodes = (np.ascontiguousarray(qo_indptr[req]), np.ascontiguousarray(meta.kv_lens[req]),
                          np.ascontiguousarray(kv_indptr[req]),
                          np.ascontiguousarray(meta.kv_indices_host, dtype=np.int32))
+        work = int(meta.kv_lens[req].sum()) * self.num_qo_heads
+        self._threads = 1 if work < PARALLEL_GRAIN else max(1, min(torch.get_num_threads(), len(req)))
         return []
 
     def _attend_decodes(self, q: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -72,7 +79,7 @@ class CpuPagedAttention(TorchPagedAttention):
         code = self._lib.paged_decode(
             q.data_ptr(), rows.data_ptr(), out.data_ptr(), q_rows.ctypes.data, q.stride(0), out.stride(0),
             kv_lens.ctypes.data, kv_starts.ctypes.data, pages.ctypes.data, len(q_rows), self.num_kv_heads,
-            self.group, self.head_dim, self.meta.block_size, self.scale, self.window_left, torch.get_num_threads(),
+            self.group, self.head_dim, self.meta.block_size, self.scale, self.window_left, self._threads,
             int(q.dtype == torch.bfloat16))
         if code != 0:
             raise ValueError(f"the compiled CPU decode attention refused head_dim {self.head_dim}, "

@@ -149,7 +149,7 @@ INLINE void one(const char *q, const char *cache, char *out, int64_t qoff, int64
     const int64_t *q_rows, int64_t q_stride, int64_t o_stride, const int64_t *kv_lens, const int64_t *kv_starts, \
     const int32_t *kv_indices, int64_t n_req, int64_t hkv, int64_t group, int64_t bs, float scale, \
     int64_t window_left, int64_t num_threads, int64_t sstride) { \
-  _Pragma("omp parallel num_threads(num_threads)") { \
+  _Pragma("omp parallel num_threads(num_threads) if(num_threads > 1)") { \
     float *s = (float *)aligned_alloc(64, sizeof(float) * hkv * group * sstride); \
     _Pragma("omp for schedule(dynamic, 1)") \
     for (int64_t r = 0; r < n_req; r++) \
