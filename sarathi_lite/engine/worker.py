@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -231,6 +232,7 @@ class WorkerGroup:
         self.pending = 0  # micro-batches sent down the pipeline whose logits have not come back
         self.failed: str | None = None
         self._exit_awaited = False  # a failure path waited for a worker's exit code already
+        self._exit_lock = threading.Lock()  # the forward thread and the caller may both be on a failure path
         self.closed = False
         self.broadcast_seconds = 0.0
 
@@ -294,12 +296,13 @@ class WorkerGroup:
     def _await_exit(self) -> None:
         """On a failure path, once: poll until a spawned worker's exit code shows, at most ``_EXIT_WAIT`` s (a
         killed worker's sockets close before its exit code can be read, later still on a loaded machine)."""
-        if self._exit_awaited:
-            return
-        self._exit_awaited = True
-        deadline = time.monotonic() + _EXIT_WAIT
-        while time.monotonic() < deadline and all(p.exitcode is None for p in self.processes):
-            time.sleep(0.01)
+        with self._exit_lock:  # a second caller waits for the first's poll instead of returning at once
+            if self._exit_awaited:
+                return
+            deadline = time.monotonic() + _EXIT_WAIT
+            while time.monotonic() < deadline and all(p.exitcode is None for p in self.processes):
+                time.sleep(0.01)
+            self._exit_awaited = True
 
     def check_alive(self) -> None:
         """Raise ``RuntimeError`` naming the first spawned worker that has exited, else the failure seen before
