@@ -34,7 +34,6 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's sarathi_lite (torch-free parts only)
-from sarathi_lite.bench.results import commit, host  # noqa: E402
+from sarathi_lite.bench.results import commit, cpu_description, load_average, portable_arg  # noqa: E402
 from sarathi_lite.models import builtin  # noqa: E402
 
 WARMUPS = 2
@@ -73,37 +72,10 @@ def group_of(name: str) -> str:
     return next((g for g, keys in GROUPS if any(k in low for k in keys)), "other")
 
 
-def machine(threads: int) -> str:
-    """This machine in words (no paths), as ``benchmarks/vs_vllm.py``'s ``machine`` says it (not imported: that
-    module loads our engine, which this script's interpreter, vLLM's environment, has no use for)."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{host()}; {model or platform.processor()}; {'/'.join(simd) or 'no AVX2'}; {threads} threads"
 
 
-def load_average() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return [round(x, 2) for x in os.getloadavg()]
 
 
-def portable(arg: str) -> str:
-    """A command-line argument as a result may hold it: a path inside the repository relative to its root, any
-    other absolute path by its name only."""
-    path = Path(arg)
-    if not path.is_absolute():
-        return arg
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 class Probe:
@@ -315,9 +287,9 @@ def main() -> int:
 
     if args.out:
         record = {
-            "command": "python benchmarks/profile_vllm_steps.py " + " ".join(portable(a) for a in sys.argv[1:]),
+            "command": "python benchmarks/profile_vllm_steps.py " + " ".join(portable_arg(a) for a in sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-            "commit": code, "machine": machine(threads), "versions": {"torch": torch.__version__,
+            "commit": code, "machine": cpu_description(threads), "versions": {"torch": torch.__version__,
                                                                         "vllm": vllm.__version__},
             "model": model.name, "dtype": args.dtype, "threads": threads,
             "vllm_env": {k: os.environ[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS",
@@ -332,7 +304,7 @@ def main() -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"\nwrote {portable(str(out.resolve()))}")
+        print(f"\nwrote {portable_arg(str(out.resolve()))}")
     return 0
 
 

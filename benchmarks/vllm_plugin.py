@@ -43,7 +43,7 @@ import httpx
 import numpy as np
 
 from sarathi_lite.bench.http_client import replay_http
-from sarathi_lite.bench.results import commit
+from sarathi_lite.bench.results import commit, portable_arg
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.models import builtin
 
@@ -92,13 +92,6 @@ class Server:
         self._sink.close()
 
 
-def _portable(arg: str) -> str:
-    """A command-line argument as the results may hold it: a path inside the repository relative to its root, any
-    other absolute path by its name only (results carry no path of the machine they ran on)."""
-    path = Path(arg)
-    if not path.is_absolute():
-        return arg
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def _spec(name: str) -> tuple[str, int | None]:
@@ -289,7 +282,7 @@ def main() -> None:
                    if len([r for r in mine if r["qps"] == q]) == args.rounds
                    and all(_meets(r, args) for r in mine if r["qps"] <= q)]
         capacity[name] = max(passing, default=0.0)
-    report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(_portable(a) for a in sys.argv[1:]),
+    report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(portable_arg(a) for a in sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
               "commit": code, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
               "startup_s": startup, "capacity_rps": capacity, "rows": rows,

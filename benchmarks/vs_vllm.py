@@ -38,7 +38,6 @@ import datetime
 import importlib.metadata
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -55,9 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # this checkout's sarathi_lite (whatever else is installed), and the scripts beside this one
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 from offline_throughput import load_rows, make_prompts  # noqa: E402
-from vllm_plugin import Server, _free_port, _portable  # noqa: E402
+from vllm_plugin import Server, _free_port  # noqa: E402
 
-from sarathi_lite.bench.results import commit, host  # noqa: E402
+from sarathi_lite.bench.results import commit, cpu_description, load_average, portable_arg  # noqa: E402
 from sarathi_lite.models import builtin  # noqa: E402
 
 WORKER = Path(__file__).resolve().with_name("vs_vllm_worker.py")
@@ -66,12 +65,6 @@ VLLM_SETTINGS = ("OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THRE
                  "VLLM_ENABLE_V1_MULTIPROCESSING")  # the settings of vLLM's runs the results record
 
 
-def load_average() -> list[float]:
-    """The 1, 5 and 15-minute load averages (/proc/loadavg; ``os.getloadavg`` where there is none)."""
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return [round(x, 2) for x in os.getloadavg()]
 
 
 def settle(max_load: float, wait: float) -> None:
@@ -332,20 +325,6 @@ def table(report: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def machine(threads: int) -> str:
-    """This machine in words (no paths): architecture, CPU model, the SIMD extensions bfloat16 speed depends on."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{host()}; {model or platform.processor()}; {'/'.join(simd) or 'no AVX2'}; {threads} threads"
 
 
 def parse_args() -> argparse.Namespace:
@@ -439,9 +418,9 @@ def write_report(args: argparse.Namespace, code: str | None, started: float, off
     if "vllm" not in versions:  # online only: ask the installations
         versions.update(installed_versions(args))
     hidden = ("model", "vllm_venv", "out", "quick", "trace")
-    report = {"command": "python benchmarks/vs_vllm.py " + " ".join(_portable(a) for a in sys.argv[1:]),
+    report = {"command": "python benchmarks/vs_vllm.py " + " ".join(portable_arg(a) for a in sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "commit": code,
-              "machine": machine(args.threads), "model": args.model.name, "trace": _portable(args.trace),
+              "machine": cpu_description(args.threads), "model": args.model.name, "trace": portable_arg(args.trace),
               "threads": args.threads, "rounds": args.rounds, "versions": versions,
               "vllm_env": {k: v for k, v in _vllm_env(args).items() if k in VLLM_SETTINGS},
               "options": {k: v for k, v in vars(args).items() if k not in hidden},

@@ -47,6 +47,40 @@ def host() -> str:
     return f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs"
 
 
+def cpu_description(threads: int) -> str:
+    """This machine in words for a CPU benchmark (no paths): ``host()``, the CPU model, the SIMD extensions
+    bfloat16 speed depends on, and the thread count the run used."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{host()}; {model or platform.processor()}; {'/'.join(simd) or 'no AVX2'}; {threads} threads"
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15-minute load averages (/proc/loadavg; ``os.getloadavg`` where there is none)."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return [round(x, 2) for x in os.getloadavg()]
+
+
+def portable_arg(arg: str) -> str:
+    """A command-line argument as a result may hold it: a path inside this checkout relative to its root, any
+    other absolute path by its name only (results carry no path of the machine they ran on)."""
+    path, root = Path(arg), Path(__file__).resolve().parents[2]
+    if not path.is_absolute():
+        return arg
+    return str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+
+
 def commit() -> str | None:
     """The short hash of the sarathi-lite checkout's ``HEAD`` (a ``-dirty`` suffix when tracked files differ
     from it), for a benchmark's record of the code it ran; ``None`` outside a git checkout. Take it before the
