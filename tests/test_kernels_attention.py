@@ -232,6 +232,29 @@ def test_backend_is_reusable_across_steps_with_growing_and_shrinking_batches(bac
         torch.testing.assert_close(out, dense_reference(case).float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_decodes", [1, 2, 3, 9])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (4, 1), (8, 8)])
+def test_cpu_kernel_split_over_threads_and_kv_heads_matches_dense_attention(monkeypatch, num_decodes, hq, hkv):
+    """Below about 4 decodes per thread the compiled kernel splits each decode's KV heads over tasks; with the
+    parallel grain at 0, every such split (1..hkv parts, uneven ones included) runs on 2 threads."""
+    from sarathi_lite.kernels import cpu_attention
+    monkeypatch.setattr(cpu_attention, "PARALLEL_GRAIN", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rng = np.random.default_rng(num_decodes * 100 + hq)
+        case = make_case([1] * num_decodes, [int(x) for x in rng.integers(1, 90, num_decodes)], hq, hkv,
+                         block_size=16, seed=num_decodes + hq)
+        for window in (-1, 7):
+            attention = make_backend("cpu", hq, hkv, window)
+            attention.plan(case.meta)
+            assert attention._threads == min(2, num_decodes * hkv)
+            out = attention.forward(case.q, case.k, case.v, case.cache)
+            torch.testing.assert_close(out, dense_reference(case, window).float(), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype,tol,backend", [(torch.bfloat16, 2e-2, "torch"), (torch.float16, 2e-3, "torch"),
                                                (torch.bfloat16, 2e-2, "cpu")])
 def test_half_precision_inputs_match_dense_attention_within_their_precision(dtype, tol, backend):

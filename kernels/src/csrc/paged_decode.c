@@ -1,7 +1,8 @@
 /* Paged decode attention on the CPU, read straight from the paged KV cache (no gather into a padded copy).
 
-   Built and loaded by sarathi_lite/kernels/cpu_native.py (cc -O3 -march=native -fopenmp). One task per decode:
-   its K and V rows are read in order, whole, and each KV head's slice is shared by its group's query heads. Two
+   Built and loaded by sarathi_lite/kernels/cpu_native.py (cc -O3 -march=native -fopenmp). One task per decode
+   (or per range of its KV heads, when there are too few decodes to keep every thread busy): its K and V rows are
+   read in order, and each KV head's slice is shared by its group's query heads. Two
    passes over the context: scores (q . k, 16 tokens at a time, their 16 partial-sum vectors reduced by one
    shuffle tree), softmax in float32 (max, then exp from a polynomial), then the V-weighted sum. Float32 accumulation for float32 and bfloat16 data
    (bfloat16 widened exactly, the output rounded to nearest even). Tasks are spread over OpenMP threads.
@@ -20,6 +21,10 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 #define MAXG 16   /* query heads per KV head */
 #define MAXH 128  /* query heads */
+/* software prefetch distances, in tokens: a few decodes' K/V rows come from memory, not cache, scattered over
+   pages the hardware prefetcher does not follow (16/8 measured as good as 32/16 and 48/24) */
+#define KAHEAD 16
+#define VAHEAD 8
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE v16 load_f32(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
@@ -78,21 +83,26 @@ INLINE uint16_t to_bf16(float f) {
    V row whole (all KV heads: contiguous memory, kind to the prefetcher), shared by the heads of each group.
    s: scratch of hkv * group * sstride floats. */
 INLINE void one(const char *q, const char *cache, char *out, int64_t qoff, int64_t ooff, int64_t len,
-                const int32_t *pages, int64_t hkv, int64_t group, int64_t bs, float scale, int64_t window_left,
-                float *s, int64_t sstride, const int ND, const int bf16) {
-  const int64_t es = bf16 ? 2 : 4, d = 16 * ND, hq = hkv * group, row = hkv * d * es, blk = 2 * bs * row;
+                const int32_t *pages, int64_t hkv, int64_t h0, int64_t h1, int64_t group, int64_t bs, float scale,
+                int64_t window_left, float *s, int64_t sstride, const int ND, const int bf16) {
+  const int64_t es = bf16 ? 2 : 4, d = 16 * ND, row = hkv * d * es, blk = 2 * bs * row;
   const int64_t first = window_left >= 0 && len - 1 - window_left > 0 ? len - 1 - window_left : 0, n = len - first;
   v16 qv[MAXH][8], acc[MAXH][8], mxv[MAXH];
   float sum[MAXH];
-  for (int64_t j = 0; j < hq; j++) {
+  for (int64_t j = h0 * group; j < h1 * group; j++) {
     const char *qr = q + (qoff + j * d) * es;
     for (int c = 0; c < ND; c++) { qv[j][c] = load(qr + 16 * c * es, bf16) * scale; acc[j][c] = (v16){0}; }
     mxv[j] = (v16){0} - INFINITY;
   }
   const v16 lane = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
+  const int64_t lo = h0 * d * es, hi = h1 * d * es;  /* this task's bytes of a K or V row */
   for (int64_t t0 = 0; t0 < n; t0 += 16) {  /* scores, 16 tokens at a time */
     const int64_t m = n - t0 < 16 ? n - t0 : 16;
-    for (int64_t h = 0; h < hkv; h++) {
+    for (int64_t i = t0 + KAHEAD; i < t0 + KAHEAD + 16 && i < n; i++) {  /* K rows KAHEAD tokens ahead of use */
+      const char *k = cache + pages[(first + i) / bs] * blk + ((first + i) % bs) * row;
+      for (int64_t b = lo; b < hi; b += 64) __builtin_prefetch(k + b, 0, 3);
+    }
+    for (int64_t h = h0; h < h1; h++) {
       v16 P[MAXG][16];
       for (int64_t i = 0; i < 16; i++) {
         if (i >= m) { for (int64_t j = 0; j < group; j++) P[j][i] = (v16){0}; continue; }
@@ -115,7 +125,7 @@ INLINE void one(const char *q, const char *cache, char *out, int64_t qoff, int64
       }
     }
   }
-  for (int64_t j = 0; j < hq; j++) {  /* softmax numerators in place, and their sums */
+  for (int64_t j = h0 * group; j < h1 * group; j++) {  /* softmax numerators in place, and their sums */
     float *sj = s + j * sstride;
     const float mx = hmax(mxv[j]);
     v16 tot = {0};
@@ -124,8 +134,12 @@ INLINE void one(const char *q, const char *cache, char *out, int64_t qoff, int64
   }
   for (int64_t i = 0; i < n; i++) {  /* the V-weighted sums */
     const int64_t t = first + i;
+    if (i + VAHEAD < n) {  /* a V row VAHEAD tokens ahead */
+      const char *v = cache + pages[(t + VAHEAD) / bs] * blk + (bs + (t + VAHEAD) % bs) * row;
+      for (int64_t b = lo; b < hi; b += 64) __builtin_prefetch(v + b, 0, 3);
+    }
     const char *v = cache + pages[t / bs] * blk + (bs + t % bs) * row;
-    for (int64_t h = 0; h < hkv; h++) {
+    for (int64_t h = h0; h < h1; h++) {
       v16 vv[8];
       for (int c = 0; c < ND; c++) vv[c] = load(v + (h * d + 16 * c) * es, bf16);
       for (int64_t j = h * group; j < (h + 1) * group; j++) {
@@ -134,7 +148,7 @@ INLINE void one(const char *q, const char *cache, char *out, int64_t qoff, int64
       }
     }
   }
-  for (int64_t j = 0; j < hq; j++) {
+  for (int64_t j = h0 * group; j < h1 * group; j++) {
     char *o = out + (ooff + j * d) * es;
     const float inv = 1.f / sum[j];
     for (int c = 0; c < ND; c++) {
@@ -148,13 +162,14 @@ INLINE void one(const char *q, const char *cache, char *out, int64_t qoff, int64
 #define VARIANT(ND, BF) static void run_##ND##_##BF(const char *q, const char *cache, char *out, \
     const int64_t *q_rows, int64_t q_stride, int64_t o_stride, const int64_t *kv_lens, const int64_t *kv_starts, \
     const int32_t *kv_indices, int64_t n_req, int64_t hkv, int64_t group, int64_t bs, float scale, \
-    int64_t window_left, int64_t num_threads, int64_t sstride) { \
+    int64_t window_left, int64_t num_threads, int64_t sstride, int64_t parts) { \
   _Pragma("omp parallel num_threads(num_threads) if(num_threads > 1)") { \
     float *s = (float *)aligned_alloc(64, sizeof(float) * hkv * group * sstride); \
     _Pragma("omp for schedule(dynamic, 1)") \
-    for (int64_t r = 0; r < n_req; r++) \
+    for (int64_t task = 0; task < n_req * parts; task++) { \
+      const int64_t r = task / parts, p = task % parts; \
       one(q, cache, out, q_rows[r] * q_stride, q_rows[r] * o_stride, kv_lens[r], kv_indices + kv_starts[r], hkv, \
-          group, bs, scale, window_left, s, sstride, ND, BF); \
+          p * hkv / parts, (p + 1) * hkv / parts, group, bs, scale, window_left, s, sstride, ND, BF); } \
     free(s); } }
 VARIANT(1, 0) VARIANT(2, 0) VARIANT(4, 0) VARIANT(8, 0) VARIANT(1, 1) VARIANT(2, 1) VARIANT(4, 1) VARIANT(8, 1)
 
@@ -167,8 +182,14 @@ int paged_decode(const void *q, const void *cache, void *out, const int64_t *q_r
   int64_t max_len = 1;
   for (int64_t r = 0; r < n_req; r++) max_len = kv_lens[r] > max_len ? kv_lens[r] : max_len;
   const int64_t sstride = (max_len + 15) / 16 * 16;
+  /* with few decodes, split each one's KV heads over tasks (at least 4 per thread where the heads allow), so every
+     thread has work: a few decodes' K/V come from memory, not cache, and one thread alone cannot draw the
+     bandwidth */
+  int64_t parts = 1;
+  if (num_threads > 1 && n_req > 0) parts = (4 * num_threads + n_req - 1) / n_req;
+  if (parts > hkv) parts = hkv;
 #define GO(ND) (bf16 ? run_##ND##_1 : run_##ND##_0)(q, cache, out, q_rows, q_stride, o_stride, kv_lens, kv_starts, kv_indices, n_req, \
-    hkv, group, bs, scale, window_left, num_threads, sstride)
+    hkv, group, bs, scale, window_left, num_threads, sstride, parts)
   switch (d / 16) { case 1: GO(1); break; case 2: GO(2); break; case 4: GO(4); break; default: GO(8); }
   return 0;
 }
