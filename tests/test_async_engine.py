@@ -194,3 +194,18 @@ def test_a_dead_worker_reaches_every_waiting_generator_and_shutdown_ends_them(en
 
     asyncio.run(asyncio.wait_for(waiting(), 60))
     assert not healthy._thread.is_alive()
+
+
+def test_the_caller_hands_its_openmp_workers_over_to_the_engine_thread(engine, monkeypatch):
+    """The engine is built in the caller's thread and stepped in the engine thread: the caller's idle OpenMP
+    workers are released (two pools on a machine of few cores make libgomp's idle workers sleep at once, and
+    every matmul of a step then waits for a wake-up)."""
+    import sarathi_lite.engine.async_engine as async_engine
+
+    calls = []
+    monkeypatch.setattr(async_engine, "release_thread_pool", lambda: calls.append(1) or True)
+    aengine = AsyncLLMEngine(engine)
+    try:
+        assert calls == [1]
+    finally:
+        aengine.shutdown()

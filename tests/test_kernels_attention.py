@@ -341,3 +341,29 @@ def test_sarathi_lite_native_0_turns_the_compiled_kernel_off():
     code = ("import torch; from sarathi_lite.kernels import get_attention_backend, TorchPagedAttention; "
             "assert type(get_attention_backend('auto', 9, 3, 64)) is TorchPagedAttention")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "SARATHI_LITE_NATIVE": "0"})
+
+
+def test_release_thread_pool_ends_the_calling_threads_idle_openmp_workers():
+    """In a fresh process with 2 torch threads: a matmul starts one OpenMP worker thread; releasing the pool ends
+    it (the process's thread count falls by one); the next parallel region starts a worker again."""
+    code = """
+import os, time, torch
+from sarathi_lite.kernels.cpu_native import release_thread_pool
+torch.set_num_threads(2)
+x = torch.randn(512, 512)
+def count():
+    time.sleep(0.2)
+    return len(os.listdir("/proc/self/task"))
+x @ x
+before = count()
+released = release_thread_pool()
+after = count()
+x @ x
+print(released, before - after, count() - after)
+"""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux's /proc")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "1", "1"]

@@ -27,6 +27,7 @@ from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.snapshot import EngineSnapshot
+from sarathi_lite.kernels.cpu_native import release_thread_pool
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,11 @@ class AsyncLLMEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
-        # torch's CPU thread count is per OS thread (OpenMP): carry the caller's over to the engine thread
+        # torch's CPU thread count is per OS thread (OpenMP): carry the caller's over to the engine thread, and
+        # release the caller's idle OpenMP workers (built with the engine): with two pools on a machine of few
+        # cores, libgomp lets idle workers spin only briefly, and the engine's every matmul waits for a wake-up
         self._num_threads = torch.get_num_threads()
+        release_thread_pool()
         self._thread = threading.Thread(target=self._loop, name="sarathi-lite-engine", daemon=True)
         self._thread.start()
 
