@@ -73,7 +73,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_
     else:
         raise ValueError(f"load_format={load_format!r} must be 'auto' or 'dummy'")
     model.init_rotary(device)
-    pack_weights(model)  # bfloat16 on the CPU: the projections' weights in oneDNN's layout
+    pack_weights(model)  # bfloat16 / float32 on the CPU: the projections' weights in oneDNN's layout
     return model.eval()
 
 

@@ -16,9 +16,10 @@ Grouped-query attention: with ``num_kv_heads >= size`` each rank holds ``num_kv_
 fewer KV heads than ranks, each KV head is replicated on ``size / num_kv_heads`` ranks (its query heads are split
 among them). Anything else is refused by ``check_tensor_parallel`` (``models.config``) with the numbers.
 
-On the CPU, ``pack_weights`` gives each projection a copy of its bfloat16 weight in the blocked layout oneDNN's
-matmul reads fastest (``torch.ops.mkldnn``; the layout the CPU's AMX / AVX-512 kernels block it into on every
-call otherwise); ``linear`` uses it while the weight is unchanged since, and ``nn.functional.linear`` otherwise.
+On the CPU, ``pack_weights`` gives each projection a copy of its bfloat16 or float32 weight in the blocked layout
+oneDNN's matmul reads fastest (``torch.ops.mkldnn``; the layout the CPU's AMX / AVX-512 kernels block it into on
+every call otherwise); ``linear`` uses it while the weight is unchanged since, for at least ``PACKED_MIN_ROWS``
+rows of its dtype, and ``nn.functional.linear`` otherwise.
 """
 
 from __future__ import annotations
@@ -95,8 +96,15 @@ PACK_BATCH_HINT = 32
 number of rows runs on it."""
 
 
+PACKED_MIN_ROWS = {torch.bfloat16: 1, torch.float32: 4}
+"""The rows (tokens) from which a projection reads its packed copy, per dtype. float32 below 4 rows keeps
+``nn.functional.linear`` (MKL's matrix-vector path; measured 2026-12-06, SmolLM2 on this project's 2-core CPU, a
+1/2/3/4/8-decode step: plain 45/53/55/75/98 ms, packed 52/58/60/64/74 ms; a 512-token prefill chunk equal). bfloat16
+reads the packed copy at any size (1/4/8 decodes: plain 46/51/53 ms, packed 38/41/45 ms; the chunk 2% faster)."""
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+    return (weight.device.type == "cpu" and weight.dtype in PACKED_MIN_ROWS and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
@@ -122,13 +130,14 @@ class PackedWeight(nn.Module):
         """``x @ weight.T (+ bias)``, on the packed copy when it is current (the weight not written since)."""
         packed = self._packed
         if (packed is not None and x.dtype == packed.dtype and x.device.type == "cpu"
+                and x.numel() >= PACKED_MIN_ROWS[x.dtype] * x.shape[-1]
                 and self._packed_version == self.weight._version and not torch.is_grad_enabled()):
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return nn.functional.linear(x, self.weight, bias)
 
 
 def pack_weights(model: nn.Module) -> int:
-    """Pack every projection of ``model`` that can be (bfloat16 on the CPU with oneDNN; see the module
+    """Pack every projection of ``model`` that can be (bfloat16 or float32 on the CPU with oneDNN; see the module
     docstring); returns how many were. Costs one more copy of those weights in memory. ``SARATHI_LITE_NATIVE=0``
     (the switch of every CPU fast path, ``kernels.cpu_native``) packs none."""
     if not native_enabled():
