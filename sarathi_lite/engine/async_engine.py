@@ -74,6 +74,10 @@ class AsyncLLMEngine:
     broken device or worker (``EngineDeadError``) stops the loop, and then ``dead_reason`` says why. While idle,
     the loop calls the engine's ``check_health()`` (if it has one) every ``IDLE_HEALTH_CHECK_S`` seconds, so a
     lost worker or instance is noticed without traffic.
+
+    The engine thread takes over the caller's torch work: the caller's idle OpenMP workers are released here
+    (``kernels.cpu_native.release_thread_pool``), since two pools on a machine of few cores slowed every CPU step
+    by about 30%. Torch work the caller runs later builds a new pool (correct, the steps only slower again).
     """
 
     def __init__(self, engine: LLMEngine, on_step: StepListener | None = None,
