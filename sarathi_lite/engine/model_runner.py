@@ -59,7 +59,9 @@ def runner_view(model: CausalLM) -> CausalLM:
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     for module in model.modules():
         for name, value in vars(module).items():
-            if not name.startswith("_") and not isinstance(value, torch.nn.Module):
+            # public attributes, and every tensor (a projection's packed weight is an opaque oneDNN tensor that
+            # cannot be deep-copied, and must be shared like the weight it copies)
+            if isinstance(value, torch.Tensor) or not (name.startswith("_") or isinstance(value, torch.nn.Module)):
                 memo[id(value)] = value
     return copy.deepcopy(model, memo)
 

@@ -19,7 +19,9 @@ among them). Anything else is refused by ``check_tensor_parallel`` (``models.con
 On the CPU, ``pack_weights`` gives each projection a copy of its bfloat16 or float32 weight in the blocked layout
 oneDNN's matmul reads fastest (``torch.ops.mkldnn``; the layout the CPU's AMX / AVX-512 kernels block it into on
 every call otherwise); ``linear`` uses it while the weight is unchanged since, for at least ``PACKED_MIN_ROWS``
-rows of its dtype, and ``nn.functional.linear`` otherwise.
+rows of its dtype up to ``PACKED_MAX_ROWS`` (above ``PACKED_EXACT_ROWS`` the rows padded to a multiple of it:
+oneDNN keeps one primitive per shape it has run, about 0.6 MiB each, so the row counts it sees are kept to a few),
+and ``nn.functional.linear`` otherwise.
 """
 
 from __future__ import annotations
@@ -103,6 +105,20 @@ PACKED_MIN_ROWS = {torch.bfloat16: 1, torch.float32: 4}
 reads the packed copy at any size (1/4/8 decodes: plain 46/51/53 ms, packed 38/41/45 ms; the chunk 2% faster)."""
 
 
+PACKED_MAX_ROWS = 64
+"""The most rows (a decode step's size) that read the packed copy. oneDNN caches a primitive for every row count
+it runs (up to 1024 of them), about 0.6 MiB each: measured 2026-12-06, 300 row counts x 4 projection shapes grew a
+process by 690 MiB, packed or not (bfloat16 ``nn.functional.linear`` runs on oneDNN too). So the packed path
+takes up to 64 rows, exact up to ``PACKED_EXACT_ROWS`` and padded to a multiple of it above: at most 19 row counts
+per shape. Larger (prefill) steps are compute-bound, and the packed copy gains nothing there (a 512-token chunk:
+equal within 2% in both dtypes)."""
+
+PACKED_EXACT_ROWS = 16
+"""Row counts up to this reach oneDNN as they are; above, they are padded to a multiple of it. Padding costs: a
+step of 5 (12) decodes padded to 8 (16) rows took 2-4 ms longer in bfloat16 and 9-13 ms longer in float32 than
+unpadded (SmolLM2, 2026-12-06), so the small counts of online decode steps are not padded."""
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in PACKED_MIN_ROWS and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -129,10 +145,14 @@ class PackedWeight(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, on the packed copy when it is current (the weight not written since)."""
         packed = self._packed
-        if (packed is not None and x.dtype == packed.dtype and x.device.type == "cpu"
-                and x.numel() >= PACKED_MIN_ROWS[x.dtype] * x.shape[-1]
+        if (packed is not None and x.dtype == packed.dtype and x.device.type == "cpu" and x.dim() == 2
+                and PACKED_MIN_ROWS[x.dtype] <= x.shape[0] <= PACKED_MAX_ROWS
                 and self._packed_version == self.weight._version and not torch.is_grad_enabled()):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            rows = x.shape[0]
+            padded = rows if rows <= PACKED_EXACT_ROWS else -(-rows // PACKED_EXACT_ROWS) * PACKED_EXACT_ROWS
+            if padded != rows:  # zero rows: their outputs are computed and dropped
+                x = nn.functional.pad(x, (0, 0, 0, padded - rows))
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
         return nn.functional.linear(x, self.weight, bias)
 
 
