@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="time the steps only (for A/B runs)")
     ap.add_argument("--unpacked", action="store_true",
-                    help="drop the packed bfloat16 weights after loading (A/B of packing alone)")
+                    help="drop the packed weights after loading (A/B of packing alone)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)

@@ -92,8 +92,6 @@ class Server:
         self._sink.close()
 
 
-
-
 def _spec(name: str) -> tuple[str, int | None]:
     """``"vllm@512"`` -> ``("vllm", 512)``; ``"vllm"`` -> ``("vllm", None)``: vLLM's own default budget."""
     kind, _, budget = name.partition("@")

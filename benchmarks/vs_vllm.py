@@ -65,8 +65,6 @@ VLLM_SETTINGS = ("OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THRE
                  "VLLM_ENABLE_V1_MULTIPROCESSING")  # the settings of vLLM's runs the results record
 
 
-
-
 def settle(max_load: float, wait: float) -> None:
     """Wait until the 1-minute load average is under ``max_load`` (at most ``wait`` seconds)."""
     deadline = time.monotonic() + wait
@@ -323,8 +321,6 @@ def table(report: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
-
-
 
 
 def parse_args() -> argparse.Namespace:

@@ -110,7 +110,8 @@ def _openmp_runtime() -> ctypes.CDLL | None:
     except OSError:
         return None
     for line in lines:
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        fields = line.split()
+        path = fields[-1] if len(fields) >= 6 else ""
         if path.startswith("/") and Path(path).name.startswith(OPENMP_RUNTIMES):
             try:
                 lib = ctypes.CDLL(path)  # already loaded: the same handle, nothing new runs

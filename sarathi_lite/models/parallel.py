@@ -99,10 +99,10 @@ number of rows runs on it."""
 
 
 PACKED_MIN_ROWS = {torch.bfloat16: 1, torch.float32: 4}
-"""The rows (tokens) from which a projection reads its packed copy, per dtype. float32 below 4 rows keeps
-``nn.functional.linear`` (MKL's matrix-vector path; measured 2026-12-06, SmolLM2 on this project's 2-core CPU, a
-1/2/3/4/8-decode step: plain 45/53/55/75/98 ms, packed 52/58/60/64/74 ms; a 512-token prefill chunk equal). bfloat16
-reads the packed copy at any size (1/4/8 decodes: plain 46/51/53 ms, packed 38/41/45 ms; the chunk 2% faster)."""
+"""The rows (tokens) from which a projection reads its packed copy, per dtype (up to ``PACKED_MAX_ROWS``). float32
+below 4 rows keeps ``nn.functional.linear`` (MKL's matrix-vector path; measured 2026-12-06, SmolLM2 on this
+project's 2-core CPU, a 1/2/3/4/8-decode step: plain 45/53/55/75/98 ms, packed 52/58/60/64/74 ms). bfloat16 reads it
+from one row on (1/4/8 decodes: plain 46/51/53 ms, packed 38/41/45 ms)."""
 
 
 PACKED_MAX_ROWS = 64

@@ -79,8 +79,8 @@ INLINE uint16_t to_bf16(float f) {
   u += 0x7fff + ((u >> 16) & 1); return (uint16_t)(u >> 16);
 }
 
-/* One decode request, all its heads: every query head over tokens [first, len). Rows are read in order, each K and
-   V row whole (all KV heads: contiguous memory, kind to the prefetcher), shared by the heads of each group.
+/* One decode request, KV heads h0 .. h1 - 1 (all of them, or a task's range): each of their query heads over tokens
+   [first, len). Rows are read in order, this range's slice of each K and V row shared by the heads of each group.
    s: scratch of hkv * group * sstride floats. */
 INLINE void one(const char *q, const char *cache, char *out, int64_t qoff, int64_t ooff, int64_t len,
                 const int32_t *pages, int64_t hkv, int64_t h0, int64_t h1, int64_t group, int64_t bs, float scale,
