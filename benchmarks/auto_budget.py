@@ -33,7 +33,7 @@ import datetime
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +197,18 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="most requests running at once (default: the engine's, 128): with more, a deployment whose "
                          "capacity the seats bound is not")
+    ap.add_argument("--cpu-profile", type=Path, default=None,
+                    help="the CPU setups' measured profile (`sarathi-lite profile --threads 1`; default: "
+                         "benchmarks/results/sim_profile_smollm2.json, 2026-11-30)")
+    ap.add_argument("--qps-high", type=float, default=None,
+                    help="the capacity searches' highest rate (default: each setup's; a faster profile may need more)")
     ap.add_argument("--out", type=Path, default=Path("results/auto_budget.json"))
     args = ap.parse_args()
+    for name, setup in SETUPS.items():
+        if args.cpu_profile is not None and setup.cost_model == str(PROFILE):
+            setup = SETUPS[name] = replace(setup, cost_model=str(args.cpu_profile))
+        if args.qps_high is not None:
+            SETUPS[name] = replace(setup, qps_range=(setup.qps_range[0], args.qps_high))
     load, code = os.getloadavg(), commit()
     fixed = tuple(int(k) for k in args.fixed.split(","))
     rows = [run_setup(SETUPS[s], t, args.probes, fixed, args.tbt_percentile, args.refine, args.max_num_seqs)
