@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from sarathi_lite.bench.capacity import SLO
+from sarathi_lite.bench.capacity import SLO, CapacityResult, Probe
 from sarathi_lite.bench.results import BenchResult, commit, host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
@@ -104,9 +104,28 @@ def gaps_over(result: BenchResult, slo: float) -> float:
     return float((gaps > slo).mean()) if gaps.size else 0.0
 
 
+def stored_fixed(record: dict[str, Any], setup: Setup, trace: str, max_num_seqs: int) -> dict[int, CapacityResult]:
+    """The fixed chunk sizes' capacity searches of ``setup`` and ``trace`` in an earlier run's ``record`` (this
+    script's JSON), by chunk size: a fixed chunk size never asks the token budget, and the simulations are
+    deterministic, so a change to ``auto`` need not search them again. Empty if the record has no such row."""
+    out: dict[int, CapacityResult] = {}
+    for row in record["rows"]:
+        if (row["setup"], row["trace"], row["max_num_seqs"]) != (setup.name, trace, max_num_seqs):
+            continue
+        if row["slo_tbt_p99"] != setup.tbt_slo:
+            raise SystemExit(f"--fixed-from: {setup.name} {trace} was run at another SLO ({row['slo_tbt_p99']})")
+        for search in row["searches"]:
+            chunk = search["label"].rpartition("/")[2]
+            if chunk.isdigit():
+                slo = SLO(search["slo"]["tbt_p99"], search["slo"]["scheduling_delay_p50"])
+                out[int(chunk)] = CapacityResult(search["label"], slo, tuple(search["qps_range"]), [
+                    Probe(p["qps"], p["passed"], p["tbt_p99"], p["scheduling_delay_p50"]) for p in search["probes"]])
+    return out
+
+
 def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FIXED,
               tbt_percentile: float | None = None, refine: bool = False,
-              max_num_seqs: int | None = None) -> dict[str, Any]:
+              max_num_seqs: int | None = None, fixed_from: dict[str, Any] | None = None) -> dict[str, Any]:
     cost = load_cost_model(setup.cost_model)
     wl = workload(setup, trace)
     slo = SLO(setup.tbt_slo)
@@ -119,7 +138,10 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
         options["max_num_seqs"] = max_num_seqs
     lo, hi = setup.qps_range
     t0 = time.perf_counter()
-    found = {}
+    found: dict[int | str, Any] = {}
+    if fixed_from is not None:
+        seats = sim.scheduler_config(cost, "sarathi", "auto", **options).max_num_seqs
+        found.update(stored_fixed(fixed_from, setup, trace, seats))
 
     def search(chunk: int | str) -> float:
         if chunk not in found:
@@ -202,6 +224,10 @@ def main() -> None:
                          "benchmarks/results/sim_profile_smollm2.json, 2026-11-30)")
     ap.add_argument("--qps-high", type=float, default=None,
                     help="the capacity searches' highest rate (default: each setup's; a faster profile may need more)")
+    ap.add_argument("--fixed-from", type=Path, default=None,
+                    help="an earlier run's JSON of the same setups, traces, probes and options: its fixed chunk "
+                         "sizes' searches are reused (they never ask the budget; the simulations are "
+                         "deterministic) and only `auto` is searched again")
     ap.add_argument("--out", type=Path, default=Path("results/auto_budget.json"))
     args = ap.parse_args()
     for name, setup in SETUPS.items():
@@ -211,7 +237,9 @@ def main() -> None:
             SETUPS[name] = replace(setup, qps_range=(setup.qps_range[0], args.qps_high))
     load, code = os.getloadavg(), commit()
     fixed = tuple(int(k) for k in args.fixed.split(","))
-    rows = [run_setup(SETUPS[s], t, args.probes, fixed, args.tbt_percentile, args.refine, args.max_num_seqs)
+    fixed_from = json.loads(args.fixed_from.read_text()) if args.fixed_from else None
+    rows = [run_setup(SETUPS[s], t, args.probes, fixed, args.tbt_percentile, args.refine, args.max_num_seqs,
+                      fixed_from)
             for s in args.setups.split(",")
             for t in args.traces.split(",")]
     print(table(rows, fixed))

@@ -272,3 +272,52 @@ def test_the_budget_fills_whole_block_steps_so_no_fixed_chunk_size_that_fits_tak
         out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
     prompt = Request("p", [5] * 4000, 4)
     assert budget.prefill_tokens(out, [(prompt, 4000)]) == 256 - 42
+
+
+class TiledLinearCost:
+    """A GPU-like step with a per-token part: 5 ms, 2 ms per started tile of 128 tokens, 4 us per token."""
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        t = out.num_batched_tokens
+        return 0.005 + 0.002 * math.ceil(t / 128) + 4e-6 * t
+
+
+def test_the_budget_keeps_a_tile_boundary_step_when_a_larger_fitting_one_moves_fewer_tokens_per_second() -> None:
+    """Under a 12.2 ms target steps of up to 288 tokens fit (288: 12.15 ms), but 257-288 tokens pay for a third
+    tile: 256 tokens (10.02 ms) move 25.5 tokens/ms, 288 only 23.7. The budget takes the 256-token step, the most
+    tokens per predicted second of the fitting steps in the 8 blocks below the largest (the largest fitting step
+    alone gave 288)."""
+    cost = TiledLinearCost()
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.0122, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, enable_prefix_caching=False)
+    budget = TokenBudget(config, cost)
+    out = SchedulerOutput()
+    for i in range(20):
+        out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
+    prompt = Request("p", [5] * 4000, 4)
+
+    def predicted(total: int) -> float:
+        return budget.predict(budget._trial(out, [(prompt, 4000)], total - 20))
+
+    fits = [k for k in range(32, 2049, 16) if predicted(k) <= 0.0122]
+    assert max(fits) == 288
+    best = max((k for k in fits if k >= 288 - 8 * 16), key=lambda k: k / predicted(k))
+    assert best == 256
+    assert budget.prefill_tokens(out, [(prompt, 4000)]) == 256 - 20
+
+
+def test_on_an_affine_cost_the_budget_is_still_the_largest_fitting_step() -> None:
+    """Where the step time grows no faster than its tokens, the largest fitting step is also the most efficient
+    one, so weighing efficiency changes nothing: the budget is the brute-force largest fitting whole-block step."""
+    cost = LinearCost()
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.05, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, enable_prefix_caching=False)
+    budget = TokenBudget(config, cost)
+    prompt = Request("p", [5] * 4000, 4)
+    for decodes in (0, 5, 17, 30):
+        out = SchedulerOutput()
+        for i in range(decodes):
+            out.add(ScheduledRequest(f"d{i}", 300, 1, [], [], True, False))
+        fits = [k for k in range(16, 2049, 16) if k > decodes and
+                budget.predict(budget._trial(out, [(prompt, 4000)], k - decodes)) <= 0.05]
+        assert budget.prefill_tokens(out, [(prompt, 4000)]) == max(fits) - decodes
