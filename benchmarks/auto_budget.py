@@ -104,13 +104,16 @@ def gaps_over(result: BenchResult, slo: float) -> float:
     return float((gaps > slo).mean()) if gaps.size else 0.0
 
 
-def stored_fixed(record: dict[str, Any], setup: Setup, trace: str, max_num_seqs: int) -> dict[int, CapacityResult]:
-    """The fixed chunk sizes' capacity searches of ``setup`` and ``trace`` in an earlier run's ``record`` (this
-    script's JSON), by chunk size: a fixed chunk size never asks the token budget, and the simulations are
-    deterministic, so a change to ``auto`` need not search them again. Empty if the record has no such row."""
+def stored_fixed(record: dict[str, Any], setup: Setup, trace: str, max_num_seqs: int,
+                 default_seats: int) -> dict[int, CapacityResult]:
+    """The fixed chunk sizes' capacity searches of ``setup`` and ``trace`` at ``max_num_seqs`` in an earlier run's
+    ``record`` (this script's JSON; rows from before ``max_num_seqs`` was recorded ran at ``default_seats``), by
+    chunk size: a fixed chunk size never asks the token budget, and the simulations are deterministic, so a
+    change to ``auto`` need not search them again. Empty if the record has no such row."""
     out: dict[int, CapacityResult] = {}
     for row in record["rows"]:
-        if (row["setup"], row["trace"], row["max_num_seqs"]) != (setup.name, trace, max_num_seqs):
+        seats = row.get("max_num_seqs", default_seats)
+        if (row["setup"], row["trace"], seats) != (setup.name, trace, max_num_seqs):
             continue
         if row["slo_tbt_p99"] != setup.tbt_slo:
             raise SystemExit(f"--fixed-from: {setup.name} {trace} was run at another SLO ({row['slo_tbt_p99']})")
@@ -141,7 +144,9 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
     found: dict[int | str, Any] = {}
     if fixed_from is not None:
         seats = sim.scheduler_config(cost, "sarathi", "auto", **options).max_num_seqs
-        found.update(stored_fixed(fixed_from, setup, trace, seats))
+        default = sim.scheduler_config(cost, "sarathi", "auto", **{k: v for k, v in options.items()
+                                                                  if k != "max_num_seqs"}).max_num_seqs
+        found.update(stored_fixed(fixed_from, setup, trace, seats, default))
 
     def search(chunk: int | str) -> float:
         if chunk not in found:
