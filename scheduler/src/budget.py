@@ -56,9 +56,10 @@ DIP_TOLERANCE = 0.05
 DIP_TOLERANCE)`` proves that no larger one fits. Measured all-reduce tables dip by about 2% of a step."""
 MAX_SCAN = 16
 """Most candidates ``largest_fitting`` evaluates one by one above the binary search's answer."""
-EFFICIENCY_LOOKBACK = 8
-"""Whole-block steps below the largest fitting one that ``TokenBudget.prefill_tokens`` also weighs, taking the one
-with the most tokens per predicted second (8 blocks of 16 tokens: one 128-token GPU tile)."""
+EFFICIENCY_LOOKBACK, EFFICIENCY_GRAIN = 128, 64
+"""Tokens below the largest fitting step within which ``TokenBudget.prefill_tokens`` also weighs the whole-block
+steps of a multiple of ``EFFICIENCY_GRAIN`` tokens (GPU matmul tiles are 64 or 128 tokens), taking the one with
+the most tokens per predicted second: at most two more predictions."""
 
 SPREAD_WINDOW = 256
 """Steps with prefill whose ``measured / (predicted * correction)`` the ``spread`` is taken over (and steps with
@@ -220,7 +221,7 @@ class TokenBudget:
         k = largest_fitting(cost, lo, hi, target, target * (1 + DIP_TOLERANCE))
         if cost(k) > target:
             return floor
-        return most_efficient(cost, max(lo, k - EFFICIENCY_LOOKBACK), k, target) * bs - used
+        return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // bs)), k, target, bs) * bs - used
 
     @staticmethod
     def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int) -> SchedulerOutput:
@@ -318,14 +319,17 @@ class TokenBudget:
         return gap
 
 
-def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float) -> int:
-    """The step of ``lo``..``hi`` whole blocks (``cost(hi) <= target``) with the most blocks per predicted second
-    among those that fit ``target``; the largest of equals. A step just past a GPU tile boundary pays for the
-    whole tile and moves fewer tokens per second than the boundary's step, which the largest fitting step
-    alone cannot see; where the step time grows no faster than its tokens (an affine cost, the CPU), the largest
-    fitting step is the most efficient and is kept."""
+def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float, block_size: int) -> int:
+    """Of the step of ``hi`` whole blocks (``cost(hi) <= target``) and those of ``lo``..``hi - 1`` blocks whose
+    tokens are a multiple of ``EFFICIENCY_GRAIN``, the one with the most tokens per predicted second among those
+    that fit ``target``; the largest of equals. A step just past a GPU tile boundary pays for the whole tile and
+    moves fewer tokens per second than the boundary's step, which the largest fitting step alone cannot see;
+    where the step time grows no faster than its tokens (an affine cost, the CPU), the largest fitting step is
+    the most efficient and is kept."""
     best, rate = hi, hi / cost(hi)
     for k in range(hi - 1, lo - 1, -1):
+        if k * block_size % EFFICIENCY_GRAIN:
+            continue
         t = cost(k)
         if t <= target and k / t > rate:
             best, rate = k, k / t
