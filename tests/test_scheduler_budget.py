@@ -285,8 +285,8 @@ class TiledLinearCost:
 def test_the_budget_keeps_a_tile_boundary_step_when_a_larger_fitting_one_moves_fewer_tokens_per_second() -> None:
     """Under a 12.2 ms target steps of up to 288 tokens fit (288: 12.15 ms), but 257-288 tokens pay for a third
     tile: 256 tokens (10.02 ms) move 25.5 tokens/ms, 288 only 23.7. The budget takes the 256-token step, the most
-    tokens per predicted second of the fitting steps of a multiple of 64 tokens within 128 below the largest (the largest fitting step
-    alone gave 288)."""
+    tokens per predicted second of the fitting steps of a multiple of 64 tokens within 128 below the largest
+    (the largest fitting step alone gave 288)."""
     cost = TiledLinearCost()
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.0122, budget_safety=1.0, block_size=16,
                              max_num_batched_tokens=2048, enable_prefix_caching=False)
