@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from sarathi_lite.bench.capacity import SLO, CapacityResult, Probe
+from sarathi_lite.bench.capacity import SLO, CapacityResult
 from sarathi_lite.bench.results import BenchResult, commit, host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
@@ -120,9 +120,7 @@ def stored_fixed(record: dict[str, Any], setup: Setup, trace: str, max_num_seqs:
         for search in row["searches"]:
             chunk = search["label"].rpartition("/")[2]
             if chunk.isdigit():
-                slo = SLO(search["slo"]["tbt_p99"], search["slo"]["scheduling_delay_p50"])
-                out[int(chunk)] = CapacityResult(search["label"], slo, tuple(search["qps_range"]), [
-                    Probe(p["qps"], p["passed"], p["tbt_p99"], p["scheduling_delay_p50"]) for p in search["probes"]])
+                out[int(chunk)] = CapacityResult.from_dict(search)
     return out
 
 
@@ -141,9 +139,9 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
         options["max_num_seqs"] = max_num_seqs
     lo, hi = setup.qps_range
     t0 = time.perf_counter()
+    seats = sim.scheduler_config(cost, "sarathi", "auto", **options).max_num_seqs
     found: dict[int | str, Any] = {}
     if fixed_from is not None:
-        seats = sim.scheduler_config(cost, "sarathi", "auto", **options).max_num_seqs
         default = sim.scheduler_config(cost, "sarathi", "auto", **{k: v for k, v in options.items()
                                                                   if k != "max_num_seqs"}).max_num_seqs
         found.update(stored_fixed(fixed_from, setup, trace, seats, default))
@@ -173,7 +171,7 @@ def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FI
     best = max(fixed, key=search)
     best_cap, auto_cap = found[best].capacity, found["auto"].capacity
     row: dict[str, Any] = {"setup": setup.name, "trace": trace, "slo_tbt_p99": setup.tbt_slo,
-                           "max_num_seqs": sim.scheduler_config(cost, "sarathi", "auto", **options).max_num_seqs,
+                           "max_num_seqs": seats,
                            "budget_safety": setup.budget_safety, "tbt_percentile": tbt_percentile,
                            "workload": wl.describe(), "fixed": list(fixed),
                            "capacity": {str(k): found[k].capacity for k in found}, "best_fixed": best,

@@ -3,9 +3,11 @@ brackets the true capacity, never reports a failing rate, and stops early at the
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from sarathi_lite.bench.capacity import SLO, search_capacity
+from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.metrics import RequestMetrics, Stats
@@ -81,6 +83,15 @@ def test_capacity_result_serializes_without_the_runs():
     d = found.to_dict()
     assert d["label"] == "sarathi/64" and d["capacity"] == found.capacity and len(d["probes"]) == 4
     assert set(d["probes"][0]) == {"qps", "passed", "tbt_p99", "scheduling_delay_p50"}
+
+
+def test_a_serialized_capacity_result_reads_back_the_same():
+    """``from_dict`` inverts ``to_dict`` (``benchmarks/auto_budget.py --fixed-from`` reuses stored searches)."""
+    found = search_capacity(FakeRunner(1.0), SLO(0.3, 1.5), 0.5, 2.0, num_probes=5, label="sarathi/64")
+    back = CapacityResult.from_dict(json.loads(json.dumps(found.to_dict())))
+    assert back.to_dict() == found.to_dict()
+    assert (back.label, back.slo, back.qps_range, back.capacity) == ("sarathi/64", SLO(0.3, 1.5), (0.5, 2.0),
+                                                                      found.capacity)
 
 
 def test_capacity_plot_writes_a_png(tmp_path):

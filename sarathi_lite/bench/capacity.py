@@ -54,6 +54,11 @@ class Probe:
         return {"qps": self.qps, "passed": self.passed, "tbt_p99": self.tbt_p99,
                 "scheduling_delay_p50": self.scheduling_delay_p50}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Probe:
+        """The probe ``to_dict`` wrote (without its run)."""
+        return cls(d["qps"], d["passed"], d["tbt_p99"], d["scheduling_delay_p50"])
+
 
 @dataclass(slots=True)
 class CapacityResult:
@@ -81,6 +86,12 @@ class CapacityResult:
                                              "scheduling_delay_p50": self.slo.scheduling_delay_p50},
                 "qps_range": list(self.qps_range), "capacity": self.capacity, "failed_above": self.failed_above,
                 "probes": [p.to_dict() for p in self.probes]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CapacityResult:
+        """The search ``to_dict`` wrote (its probes without their runs)."""
+        slo = SLO(d["slo"]["tbt_p99"], d["slo"]["scheduling_delay_p50"])
+        return cls(d["label"], slo, tuple(d["qps_range"]), [Probe.from_dict(p) for p in d["probes"]])
 
 
 def search_capacity(probe: Callable[[float], BenchResult], slo: SLO, qps_low: float, qps_high: float,
