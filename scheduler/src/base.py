@@ -307,7 +307,7 @@ class Scheduler:
         slots = max(self.config.max_running - len(self.running), 0)
         return self.budget.prefill_tokens(out, [
             (r, min(r.num_prefill_tokens - r.num_computed_tokens, self._prefill_cap(r)))
-            for r in (*prefills, *islice(self.waiting, slots))])
+            for r in (*prefills, *islice(self.waiting, slots))], seat_bound=len(self.waiting) > slots)
 
     def observe(self, output: SchedulerOutput, step_time: float, end: float | None = None) -> None:
         """Feed the measured ``step_time`` (seconds, the iteration's start to end) of the iteration ``output``,

@@ -61,6 +61,13 @@ EFFICIENCY_LOOKBACK, EFFICIENCY_GRAIN = 128, 64
 steps of a multiple of ``EFFICIENCY_GRAIN`` tokens (GPU matmul tiles are 64 or 128 tokens), taking the one with
 the most tokens per predicted second: at most two more predictions."""
 
+SEAT_BOUND_LOOKBACK, SEAT_BOUND_GRAIN = 512, 128
+"""With ``seat_bound`` (more requests wait than seats are free: the seats, not the prefill, decide how many
+requests finish per second), tokens below the largest fitting step within which ``TokenBudget.prefill_tokens``
+weighs the whole-block steps of a multiple of ``SEAT_BOUND_GRAIN`` tokens by the prefill tokens per second they
+add to the decodes' own step (that step runs anyway: the decodes count the steps), taking the most: at most four
+more predictions and the decodes' own."""
+
 SPREAD_WINDOW = 256
 """Steps with prefill whose ``measured / (predicted * correction)`` the ``spread`` is taken over (and steps with
 prefill and decodes whose ``gap - measured`` ``between`` is)."""
@@ -189,7 +196,8 @@ class TokenBudget:
         """An uncorrected prediction (seconds) corrected: ``predicted * correction * spread + between``."""
         return predicted * self.correction * self.spread + self.between
 
-    def prefill_tokens(self, out: SchedulerOutput, candidates: Sequence[tuple[Request, int]]) -> int:
+    def prefill_tokens(self, out: SchedulerOutput, candidates: Sequence[tuple[Request, int]],
+                       seat_bound: bool = False) -> int:
         """Prefill tokens the iteration ``out`` (its decodes already scheduled) may add: as many as make the
         step's tokens (``out``'s and these) the largest multiple of ``block_size`` whose predicted step fits the
         target, as a fixed ``chunk_size`` of that many tokens would; at least ``min_chunk_size`` (rounded up to
@@ -201,7 +209,9 @@ class TokenBudget:
         to a boundary, not a block short of it with the decodes' odd count left over.
 
         candidates: ``(request, most tokens its chunk may take)`` for the prompts that would take the prefill
-        tokens, in the order the policy fills them.
+        tokens, in the order the policy fills them. seat_bound: more requests wait than seats are free (see
+        ``SEAT_BOUND_LOOKBACK``); the step near the largest is then weighed by the prefill tokens per second it adds
+        to the decodes' own step, not by all its tokens per second.
         """
         if not candidates:
             return 0
@@ -221,6 +231,9 @@ class TokenBudget:
         k = largest_fitting(cost, lo, hi, target, target * (1 + DIP_TOLERANCE))
         if cost(k) > target:
             return floor
+        if seat_bound and out.num_decode_tokens:
+            low = max(lo, k - -(-SEAT_BOUND_LOOKBACK // bs))
+            return most_efficient(cost, low, k, target, bs, SEAT_BOUND_GRAIN, self.predict(out), used) * bs - used
         return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // bs)), k, target, bs) * bs - used
 
     @staticmethod
@@ -319,20 +332,29 @@ class TokenBudget:
         return gap
 
 
-def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float, block_size: int) -> int:
+def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float, block_size: int,
+                   grain: int = EFFICIENCY_GRAIN, base: float = 0.0, used: int = 0) -> int:
     """Of the step of ``hi`` whole blocks (``cost(hi) <= target``) and those of ``lo``..``hi - 1`` blocks whose
-    tokens are a multiple of ``EFFICIENCY_GRAIN``, the one with the most tokens per predicted second among those
-    that fit ``target``; the largest of equals. A step just past a GPU tile boundary pays for the whole tile and
-    moves fewer tokens per second than the boundary's step, which the largest fitting step alone cannot see;
-    where the step time grows no faster than its tokens (an affine cost, the CPU), the largest fitting step is
-    the most efficient and is kept."""
-    best, rate = hi, hi / cost(hi)
+    tokens are a multiple of ``grain``, the one that fits ``target`` with the most tokens beyond ``used`` per
+    predicted second beyond ``base``; the largest of equals.
+
+    With ``base`` and ``used`` 0 that is the most tokens per predicted second: a step just past a GPU tile
+    boundary pays for the whole tile and moves fewer tokens per second than the boundary's step, which the
+    largest fitting step alone cannot see; where the step time grows no faster than its tokens (an affine cost,
+    the CPU), the largest fitting step is the most efficient and is kept. With ``base`` the predicted seconds of
+    the step's ``used`` decode tokens alone, it is the most prefill tokens per second they add to it: the
+    measure when the decodes' step runs anyway (``SEAT_BOUND_LOOKBACK``). A step that adds no time is taken
+    first."""
+    def rate(k: int) -> float:
+        extra = cost(k) - base
+        return (k * block_size - used) / extra if extra > 0 else math.inf
+
+    best, best_rate = hi, rate(hi)
     for k in range(hi - 1, lo - 1, -1):
-        if k * block_size % EFFICIENCY_GRAIN:
+        if k * block_size % grain:
             continue
-        t = cost(k)
-        if t <= target and k / t > rate:
-            best, rate = k, k / t
+        if cost(k) <= target and (r := rate(k)) > best_rate:
+            best, best_rate = k, r
     return best
 
 

@@ -129,7 +129,7 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
             raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
         out = decode_rows(decodes)
         candidates = [(v, v.num_remaining) for v in (*prefills, *waiting[:seats])]
-        prefill = budget.prefill_tokens(out, candidates)
+        prefill = budget.prefill_tokens(out, candidates, seat_bound=len(waiting) > seats)
         token_budget = min(len(decodes) + prefill, limit)
     else:
         token_budget = min(max(config.chunk_size, len(decodes)), limit)
