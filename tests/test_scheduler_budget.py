@@ -321,3 +321,60 @@ def test_on_an_affine_cost_the_budget_is_still_the_largest_fitting_step() -> Non
         fits = [k for k in range(16, 2049, 16) if k > decodes and
                 budget.predict(budget._trial(out, [(prompt, 4000)], k - decodes)) <= 0.05]
         assert budget.prefill_tokens(out, [(prompt, 4000)]) == max(fits) - decodes
+
+
+class StaircaseCost:
+    """A step's decodes cost 30 ms whatever else it holds; prefill adds a 1 ms launch and 40 us a token, and a step
+    of more than 1,024 tokens pays 2 ms more (the next tile of a staircase)."""
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        total = out.num_prefill_tokens + out.num_decode_tokens
+        return (0.030 + (0.001 if out.num_prefill_tokens else 0.0) + 4e-5 * out.num_prefill_tokens
+                + (0.002 if total > 1024 else 0.0))
+
+
+def test_seat_bound_budget_takes_the_step_that_adds_the_most_prefill_per_second_to_the_decodes() -> None:
+    """With 64 decodes and a 81.5 ms target, steps of up to 1,264 tokens fit, and the largest moves the most tokens
+    per second (15.6 per ms, 1,024 tokens 14.8): without a seat bound the budget takes it. Seat-bound, the 30 ms
+    of the decodes run anyway, and 1,024 tokens add 24.4 prefill tokens per added ms against 1,264's 23.5 (the
+    2 ms past 1,024 buy 240 tokens), the most of the steps of a multiple of 128 within 512 below the largest
+    (768: 24.1, 896: 24.3, 1,152: 23.4): the budget takes 1,024."""
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.0815, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=4096, enable_prefix_caching=False)
+    budget = TokenBudget(config, StaircaseCost())
+    out = SchedulerOutput()
+    for i in range(64):
+        out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
+    prompt = Request("p", [5] * 4000, 4)
+    fits = [k for k in range(80, 4097, 16)
+            if budget.predict(budget._trial(out, [(prompt, 4000)], k - 64)) <= config.tbt_slo]
+    assert max(fits) == 1264
+    assert budget.prefill_tokens(out, [(prompt, 4000)]) == 1264 - 64
+    assert budget.prefill_tokens(out, [(prompt, 4000)], seat_bound=True) == 1024 - 64
+    # no decodes: nothing runs anyway, so the step is weighed by all its tokens as without a seat bound
+    assert budget.prefill_tokens(SchedulerOutput(), [(prompt, 4000)], seat_bound=True) == \
+        budget.prefill_tokens(SchedulerOutput(), [(prompt, 4000)])
+
+
+def test_scheduler_and_plan_pass_the_seat_bound_when_more_requests_wait_than_seats_are_free() -> None:
+    """Two requests decode and one seat of three is free. One waiting prompt: its chunk fills the largest fitting
+    step (1,200 tokens). Three waiting: seat-bound, the chunk stops at the 1,024-token step; the plan the vLLM
+    plugin applies decides the same."""
+    from sarathi_lite.scheduler.plan import RequestView, plan_step
+
+    chunks = {}
+    for waiting in (1, 3):
+        sched = auto(StaircaseCost(), tbt_slo=0.0815, budget_safety=1.0, max_num_seqs=3)
+        for i in range(2):
+            sched.add(Request(f"r{i}", [5] * 10, 50))
+        step(sched)
+        for i in range(waiting):
+            sched.add(Request(f"w{i}", [5] * 1500, 4))
+        views = ([RequestView(r.request_id, r.num_computed_tokens, r.num_tokens, len(r.prompt_token_ids), r.seq)
+                  for r in q] for q in (sched.running, sched.waiting))
+        plan = plan_step(*views, sched.config, TokenBudget(sched.config, StaircaseCost()))
+        out = step(sched)
+        assert out.num_decode_tokens == 2
+        chunks[waiting] = out.num_prefill_tokens
+        assert plan.token_budget == out.num_batched_tokens
+    assert chunks == {1: 1200 - 2, 3: 1024 - 2}
