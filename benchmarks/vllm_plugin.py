@@ -237,6 +237,29 @@ def main() -> None:
     started = time.time()
     code = commit()  # the code that runs: taken before, not after
 
+    def write(complete: bool) -> dict[str, float]:
+        """Write the report to ``--out`` (after every cell, so a run stopped early keeps what it measured;
+        ``complete`` is false until the last cell) and return the capacities (requests/s: the highest rate met
+        in every round; 0 where a rate lacks a round)."""
+        capacity = {}
+        for name in args.capacity_systems:
+            mine = [r for r in rows if r["system"] == name and r["workload"] == "conversation"]
+            passing = [q for q in args.rates
+                       if len([r for r in mine if r["qps"] == q]) == args.rounds
+                       and all(_meets(r, args) for r in mine if r["qps"] <= q)]
+            capacity[name] = max(passing, default=0.0)
+        report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(portable_arg(a) for a in sys.argv[1:]),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                  "commit": code, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
+                  "complete": complete, "startup_s": startup, "capacity_rps": capacity, "rows": rows,
+                  "options": {k: v for k, v in vars(args).items() if k not in ("model", "vllm_venv", "out",
+                                                                              "cost_model")},
+                  "cost_model": Path(args.cost_model).name}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        return capacity
+
     def drive(url: str, name: str, workload_name: str, qps: float, rnd: int, wl: Workload) -> dict[str, Any]:
         load = os.getloadavg()[0]
         result = replay_http(wl, url, model="m", progress=False, timeout=900.0)
@@ -244,6 +267,7 @@ def main() -> None:
                **summarize(result, args.long_prompt)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        write(complete=False)
         return row
 
     # One phase per workload, each with only its own servers up: a vLLM-CPU server holds about 3-4 GB (its
@@ -273,23 +297,7 @@ def main() -> None:
         finally:
             for s in running.values():
                 s.stop()
-    capacity = {}
-    for name in args.capacity_systems:
-        mine = [r for r in rows if r["system"] == name and r["workload"] == "conversation"]
-        passing = [q for q in args.rates
-                   if len([r for r in mine if r["qps"] == q]) == args.rounds
-                   and all(_meets(r, args) for r in mine if r["qps"] <= q)]
-        capacity[name] = max(passing, default=0.0)
-    report = {"command": "python benchmarks/vllm_plugin.py " + " ".join(portable_arg(a) for a in sys.argv[1:]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-              "commit": code, "machine": f"{os.cpu_count()} CPUs", "wall_s": round(time.time() - started),
-              "startup_s": startup, "capacity_rps": capacity, "rows": rows,
-              "options": {k: v for k, v in vars(args).items() if k not in ("model", "vllm_venv", "out",
-                                                                          "cost_model")},
-              "cost_model": Path(args.cost_model).name}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    capacity = write(complete=True)
     keys = ("ttft_p50", "short_ttft_p99", "long_ttft_p99", "tbt_p50", "tbt_p99", "throughput_output_tokens_per_s")
     print(f"\n{'system':16} {'workload':13} {'qps':>5} " + " ".join(f"{k:>15}" for k in keys))
     for name in dict.fromkeys(r["system"] for r in rows):
