@@ -61,12 +61,14 @@ EFFICIENCY_LOOKBACK, EFFICIENCY_GRAIN = 128, 64
 steps of a multiple of ``EFFICIENCY_GRAIN`` tokens (GPU matmul tiles are 64 or 128 tokens), taking the one with
 the most tokens per predicted second: at most two more predictions."""
 
-SEAT_BOUND_LOOKBACK, SEAT_BOUND_GRAIN = 512, 128
+SEAT_BOUND_SHARE, SEAT_BOUND_GRAIN = 1 / 3, 128
 """With ``seat_bound`` (more requests wait than seats are free: the seats, not the prefill, decide how many
-requests finish per second), tokens below the largest fitting step within which ``TokenBudget.prefill_tokens``
-weighs the whole-block steps of a multiple of ``SEAT_BOUND_GRAIN`` tokens by the prefill tokens per second they
-add to the decodes' own step (that step runs anyway: the decodes count the steps), taking the most: at most four
-more predictions and the decodes' own."""
+requests finish per second), the share of the largest fitting step's tokens below it within which
+``TokenBudget.prefill_tokens`` weighs the whole-block steps of a multiple of ``SEAT_BOUND_GRAIN`` tokens by the
+prefill tokens per second they add to the decodes' own step (that step runs anyway: the decodes count the
+steps), taking the most: a few more predictions (six at a 2,432-token step) and the decodes' own. A share, not a
+fixed width: the staircase's stairs are a fixed number of tokens apart, but a small step near a memory-bound
+knee would find its prefill almost free far below the largest, and take too little of it."""
 
 SPREAD_WINDOW = 256
 """Steps with prefill whose ``measured / (predicted * correction)`` the ``spread`` is taken over (and steps with
@@ -210,7 +212,7 @@ class TokenBudget:
 
         candidates: ``(request, most tokens its chunk may take)`` for the prompts that would take the prefill
         tokens, in the order the policy fills them. seat_bound: more requests wait than seats are free (see
-        ``SEAT_BOUND_LOOKBACK``); the step near the largest is then weighed by the prefill tokens per second it adds
+        ``SEAT_BOUND_SHARE``); the step near the largest is then weighed by the prefill tokens per second it adds
         to the decodes' own step, not by all its tokens per second.
         """
         if not candidates:
@@ -232,7 +234,7 @@ class TokenBudget:
         if cost(k) > target:
             return floor
         if seat_bound and out.num_decode_tokens:
-            low = max(lo, k - -(-SEAT_BOUND_LOOKBACK // bs))
+            low = max(lo, k - math.ceil(k * SEAT_BOUND_SHARE))
             return most_efficient(cost, low, k, target, bs, SEAT_BOUND_GRAIN, self.predict(out), used) * bs - used
         return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // bs)), k, target, bs) * bs - used
 
@@ -343,7 +345,7 @@ def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float
     largest fitting step alone cannot see; where the step time grows no faster than its tokens (an affine cost,
     the CPU), the largest fitting step is the most efficient and is kept. With ``base`` the predicted seconds of
     the step's ``used`` decode tokens alone, it is the most prefill tokens per second they add to it: the
-    measure when the decodes' step runs anyway (``SEAT_BOUND_LOOKBACK``). A step that adds no time is taken
+    measure when the decodes' step runs anyway (``SEAT_BOUND_SHARE``). A step that adds no time is taken
     first."""
     def rate(k: int) -> float:
         extra = cost(k) - base
