@@ -96,14 +96,14 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def measure(policy: str, concurrency: int, steps: int, warmup: int, seed: int, collect: bool = True,
             prefix_caching: bool = False, shared_prefix: int = 0, predictor: StepTimePredictor | None = None,
-            tbt_slo: float | None = None) -> dict[str, object]:
+            tbt_slo: float | None = None, waiting: int = 0) -> dict[str, object]:
     rng = random.Random(seed)
     sched = make(policy, concurrency, prefix_caching, predictor, tbt_slo)
     auto = sched.budget is not None
     shared = rng.choices(range(1, 32000), k=shared_prefix)
     added = 0
     # The first requests get spread-out lengths so that they do not all finish together.
-    for _ in range(concurrency):
+    for _ in range(concurrency + waiting):  # ``waiting`` more than the seats: they wait for one (seat-bound)
         sched.add(new_request(rng, added, rng.randint(1, OUTPUT_LEN[1]), shared))
         added += 1
     schedule_ns: list[int] = []
@@ -145,6 +145,7 @@ def measure(policy: str, concurrency: int, steps: int, warmup: int, seed: int, c
         "policy": policy,
         "chunk_size": "auto" if auto else sched.config.chunk_size,
         "concurrency": concurrency,
+        "waiting": waiting,
         "steps": steps,
         "mean_us": mean_us,
         "p50_us": percentile(step_us, 0.50),
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fixed: max(512, 2 x requests); auto: the SLO-aware budget for the chunked policies")
     parser.add_argument("--cost-model", default="roofline:h100:llama3-8b", help="with --chunk-size auto")
     parser.add_argument("--tbt-slo", type=float, default=0.05, help="with --chunk-size auto (seconds)")
+    parser.add_argument("--waiting", type=int, default=0, metavar="N",
+                        help="N requests more than the seats (max_num_seqs = concurrency), always waiting: a "
+                             "seat-bound scheduler (with --chunk-size auto, the budget's seat-bound choice)")
     parser.add_argument("--out", type=Path, default=Path("results/scheduler_overhead.json"))
     args = parser.parse_args(argv)
     predictor = load_cost_model(args.cost_model) if args.chunk_size == "auto" else None
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         for concurrency in args.concurrency:
             r = measure(policy, concurrency, args.steps, args.warmup, args.seed, collect=not args.no_gc,
                         prefix_caching=args.prefix_caching, shared_prefix=args.shared_prefix,
-                        predictor=predictor, tbt_slo=args.tbt_slo)
+                        predictor=predictor, tbt_slo=args.tbt_slo, waiting=args.waiting)
             rows.append(r)
             print(f"{policy:<16}{concurrency:>9}{r['mean_us']:>10.1f}{r['p99_us']:>10.1f}{r['per_request_us']:>12.3f}"
                   f"{r['schedule_mean_us']:>10.1f}{r['update_mean_us']:>9.1f}{r['mean_batch_rows']:>8.1f}"
@@ -205,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "settings": {"steps": args.steps, "warmup": args.warmup, "seed": args.seed, "gc": not args.no_gc,
+                     "waiting": args.waiting,
                      "block_size": BLOCK_SIZE, "prefix_caching": args.prefix_caching,
                      "shared_prefix": args.shared_prefix,
                      "max_model_len": MAX_MODEL_LEN, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
