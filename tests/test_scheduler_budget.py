@@ -72,6 +72,18 @@ def random_workload(sched: Scheduler, rng: random.Random, n: int) -> list[tuple[
     return sorted(arrivals, key=lambda a: a[0])
 
 
+def budget_beside_decodes(cost: object, tbt_slo: float, decodes: int, max_num_batched_tokens: int = 2048
+                          ) -> tuple[TokenBudget, SchedulerOutput, Request]:
+    """A ``TokenBudget`` at ``tbt_slo`` (no safety margin, 16-token blocks) on ``cost``, a step holding ``decodes``
+    decodes at 100 tokens of context, and a 4,000-token prompt to fill it with."""
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=tbt_slo, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+    out = SchedulerOutput()
+    for i in range(decodes):
+        out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
+    return TokenBudget(config, cost), out, Request("p", [5] * 4000, 4)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_every_step_fits_the_slo_with_the_largest_whole_block_step_and_no_decode_skipped(seed: int) -> None:
     rng = random.Random(seed)
@@ -264,13 +276,7 @@ def test_the_budget_fills_whole_block_steps_so_no_fixed_chunk_size_that_fits_tak
     """42 decodes and a long prompt under a 9.5 ms target: a fixed chunk of 256 tokens (two tiles, 9 ms) fits
     and 257-384 (11 ms) do not; the budget's step is those 256 tokens, not 250 (42 + 13 blocks of prefill) as
     whole-block prefill gave."""
-    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.0095, budget_safety=1.0, block_size=16,
-                             max_num_batched_tokens=2048, enable_prefix_caching=False)
-    budget = TokenBudget(config, TileCost())
-    out = SchedulerOutput()
-    for i in range(42):
-        out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
-    prompt = Request("p", [5] * 4000, 4)
+    budget, out, prompt = budget_beside_decodes(TileCost(), 0.0095, 42)
     assert budget.prefill_tokens(out, [(prompt, 4000)]) == 256 - 42
 
 
@@ -287,14 +293,7 @@ def test_the_budget_keeps_a_tile_boundary_step_when_a_larger_fitting_one_moves_f
     tile: 256 tokens (10.02 ms) move 25.5 tokens/ms, 288 only 23.7. The budget takes the 256-token step, the most
     tokens per predicted second of the fitting steps of a multiple of 64 tokens within 128 below the largest
     (the largest fitting step alone gave 288)."""
-    cost = TiledLinearCost()
-    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.0122, budget_safety=1.0, block_size=16,
-                             max_num_batched_tokens=2048, enable_prefix_caching=False)
-    budget = TokenBudget(config, cost)
-    out = SchedulerOutput()
-    for i in range(20):
-        out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
-    prompt = Request("p", [5] * 4000, 4)
+    budget, out, prompt = budget_beside_decodes(TiledLinearCost(), 0.0122, 20)
 
     def predicted(total: int) -> float:
         return budget.predict(budget._trial(out, [(prompt, 4000)], total - 20))
@@ -339,15 +338,8 @@ def test_seat_bound_budget_takes_the_step_that_adds_the_most_prefill_per_second_
     of the decodes run anyway, and 1,024 tokens add 24.4 prefill tokens per added ms against 1,264's 23.5 (the
     2 ms past 1,024 buy 240 tokens), the most of the steps of a multiple of 128 within a third of the largest
     below it (896: 24.3, 1,152: 23.4): the budget takes 1,024."""
-    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.0815, budget_safety=1.0, block_size=16,
-                             max_num_batched_tokens=4096, enable_prefix_caching=False)
-    budget = TokenBudget(config, StaircaseCost())
-    out = SchedulerOutput()
-    for i in range(64):
-        out.add(ScheduledRequest(f"d{i}", 100, 1, [], [], True, False))
-    prompt = Request("p", [5] * 4000, 4)
-    fits = [k for k in range(80, 4097, 16)
-            if budget.predict(budget._trial(out, [(prompt, 4000)], k - 64)) <= config.tbt_slo]
+    budget, out, prompt = budget_beside_decodes(StaircaseCost(), 0.0815, 64, 4096)
+    fits = [k for k in range(80, 4097, 16) if budget.predict(budget._trial(out, [(prompt, 4000)], k - 64)) <= 0.0815]
     assert max(fits) == 1264
     assert budget.prefill_tokens(out, [(prompt, 4000)]) == 1264 - 64
     assert budget.prefill_tokens(out, [(prompt, 4000)], seat_bound=True) == 1024 - 64
