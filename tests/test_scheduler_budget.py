@@ -19,6 +19,7 @@ from sarathi_lite.scheduler import (
     make_scheduler,
 )
 from sarathi_lite.scheduler.budget import CORRECTION_RANGE
+from sarathi_lite.scheduler.plan import RequestView, plan_step
 
 TOKEN = 7
 
@@ -352,8 +353,6 @@ def test_scheduler_and_plan_pass_the_seat_bound_when_more_requests_wait_than_sea
     """Two requests decode and one seat of three is free. One waiting prompt: its chunk fills the largest fitting
     step (1,200 tokens). Three waiting: seat-bound, the chunk stops at the 1,024-token step; the plan the vLLM
     plugin applies decides the same."""
-    from sarathi_lite.scheduler.plan import RequestView, plan_step
-
     chunks = {}
     for waiting in (1, 3):
         sched = auto(StaircaseCost(), tbt_slo=0.0815, budget_safety=1.0, max_num_seqs=3)
