@@ -1,7 +1,7 @@
 """Load and fault tests of ``sarathi-lite serve`` as a real process on a free loopback port, bounded in requests
 and time: killing the server mid-stream leaves every client with an error rather than a hang, and the server's
-RSS stays flat over 1,000 mixed requests (a third cancelled mid-stream, some rejected by the queue bound, some
-with several completions, penalties and biases, or several echoed prompts)."""
+RSS stays flat over 2,000 mixed requests after 2,000 of warm-up (a third cancelled mid-stream, some rejected by the
+queue bound, some with several completions, penalties and biases, or several echoed prompts)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_killing_the_server_mid_stream_leaves_clients_with_an_error_not_a_hang(c
     assert all(isinstance(r, (httpx.RemoteProtocolError, httpx.ReadError)) for r in results), results
 
 
-def test_rss_stays_flat_over_1000_mixed_requests(checkpoint):
+def test_rss_stays_flat_over_2000_mixed_requests_after_2000_of_warm_up(checkpoint):
     proc, url = start_server(checkpoint, "--max-waiting-requests", "16", "--stats-window", "100")
     counts = {"ok": 0, "cancelled": 0, "rejected": 0}
 
@@ -136,9 +136,13 @@ def test_rss_stays_flat_over_1000_mixed_requests(checkpoint):
             await asyncio.gather(*[bounded(i) for i in range(first, first + count)])
 
     try:
-        asyncio.run(asyncio.wait_for(run(0, 250), 240))  # warm-up: allocator pools, caches, the records window
+        # Warm-up: allocator pools, the records window, and the caches keyed by a step's shape (oneDNN's primitive
+        # cache among them: with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 half the early growth goes). Each new token count
+        # per step fills them a little more; they are bounded: RSS climbed by 14-18 MiB between the 250th and the
+        # 1,000th request, by 2-5 MiB over the next 1,000, and by under 1 MiB from the 2,000th to the 4,250th.
+        asyncio.run(asyncio.wait_for(run(0, 2000), 600))
         warm = rss_mib(proc.pid)
-        asyncio.run(asyncio.wait_for(run(250, 750), 480))
+        asyncio.run(asyncio.wait_for(run(2000, 2000), 600))
         after = rss_mib(proc.pid)
         health = httpx.get(f"{url}/health").status_code
         deadline = time.monotonic() + 15  # the last cancelled streams' aborts reach the engine thread
@@ -146,6 +150,6 @@ def test_rss_stays_flat_over_1000_mixed_requests(checkpoint):
             time.sleep(0.05)
     finally:
         stop_process(proc)
-    assert sum(counts.values()) == 1000 and counts["cancelled"] >= 100 and counts["rejected"] >= 1, counts
+    assert sum(counts.values()) == 4000 and counts["cancelled"] >= 400 and counts["rejected"] >= 1, counts
     assert health == 200 and used == 0
-    assert after - warm < 16, f"RSS grew {after - warm:.1f} MiB over 750 requests (from {warm:.0f} MiB)"
+    assert after - warm < 16, f"RSS grew {after - warm:.1f} MiB over 2,000 requests (from {warm:.0f} MiB)"
