@@ -19,7 +19,8 @@ from sarathi_lite.scheduler import (
     make_scheduler,
 )
 from sarathi_lite.scheduler.budget import CORRECTION_RANGE
-from sarathi_lite.scheduler.plan import RequestView, plan_step
+from sarathi_lite.scheduler.plan import plan_step
+from tests.test_scheduler_plan import view
 
 TOKEN = 7
 
@@ -361,9 +362,8 @@ def test_scheduler_and_plan_pass_the_seat_bound_when_more_requests_wait_than_sea
         step(sched)
         for i in range(waiting):
             sched.add(Request(f"w{i}", [5] * 1500, 4))
-        views = ([RequestView(r.request_id, r.num_computed_tokens, r.num_tokens, len(r.prompt_token_ids), r.seq)
-                  for r in q] for q in (sched.running, sched.waiting))
-        plan = plan_step(*views, sched.config, TokenBudget(sched.config, StaircaseCost()))
+        plan = plan_step([view(r) for r in sched.running], [view(r) for r in sched.waiting], sched.config,
+                         TokenBudget(sched.config, StaircaseCost()))
         out = step(sched)
         assert out.num_decode_tokens == 2
         chunks[waiting] = out.num_prefill_tokens

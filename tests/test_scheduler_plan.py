@@ -12,7 +12,8 @@ from sarathi_lite.scheduler.admission import long_share
 from sarathi_lite.scheduler.plan import RequestView, fill, plan_step
 
 
-def _view(req: Request) -> RequestView:
+def view(req: Request) -> RequestView:
+    """The read-only view of our scheduler's ``req`` that ``plan_step`` decides from."""
     return RequestView(req.request_id, req.num_computed_tokens, req.num_tokens, len(req.prompt_token_ids), req.seq)
 
 
@@ -31,7 +32,7 @@ def test_plan_makes_our_schedulers_fcfs_batches_on_random_workloads(seed):
         for _ in range(rng.randint(0, 2)):
             if pending:
                 sched.add(pending.pop(0))
-        plan = plan_step([_view(r) for r in sched.running], [_view(r) for r in sched.waiting], config)
+        plan = plan_step([view(r) for r in sched.running], [view(r) for r in sched.waiting], config)
         out = sched.schedule()
         assert plan.tokens == {s.request_id: s.num_new_tokens for s in out.scheduled}, steps
         sched.update(out, {s.request_id: 7 for s in out.scheduled if s.sample})
