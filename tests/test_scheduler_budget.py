@@ -324,6 +324,31 @@ def test_on_an_affine_cost_the_budget_is_still_the_largest_fitting_step() -> Non
         assert budget.prefill_tokens(out, [(prompt, 4000)]) == max(fits) - decodes
 
 
+def test_with_128_token_blocks_the_budget_sizes_steps_in_16_token_grains_not_whole_blocks() -> None:
+    """vLLM's CPU backend keeps 128-token KV blocks. In whole blocks the largest fitting step beside 5 decodes was
+    128 tokens where 240 fit (the next block, 256, does not); in 16-token grains it is the largest fitting
+    multiple of 16, and a fixed chunk of 128 or 256 tokens is still a candidate. min_chunk_size rounds up to a
+    grain, not a block."""
+    cost = LinearCost()
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.05, budget_safety=1.0, block_size=128,
+                             max_num_batched_tokens=2048, enable_prefix_caching=False, min_chunk_size=20)
+    budget = TokenBudget(config, cost)
+    assert budget.grain == 16 and budget.grain * budget.min_grains == 32
+    prompt = Request("p", [5] * 4000, 4)
+    out = SchedulerOutput()
+    for i in range(5):
+        out.add(ScheduledRequest(f"d{i}", 300, 1, [], [], True, False))
+
+    def fits(total: int) -> bool:
+        return budget.predict(budget._trial(out, [(prompt, 4000)], total - 5)) <= 0.05
+
+    largest = max(k for k in range(16, 2049, 16) if fits(k))
+    assert largest % 128 and not fits(-(-largest // 128) * 128)  # between two whole-block steps
+    assert budget.prefill_tokens(out, [(prompt, 4000)]) == largest - 5
+    assert TokenBudget(SchedulerConfig(chunk_size="auto", tbt_slo=0.05, block_size=24, enable_prefix_caching=False,
+                                       max_num_batched_tokens=2048), cost).grain == 8  # gcd(24, 16)
+
+
 class StaircaseCost:
     """A step's decodes cost 30 ms whatever else it holds; prefill adds a 1 ms launch and 40 us a token, and a step
     of more than 1,024 tokens pays 2 ms more (the next tile of a staircase)."""

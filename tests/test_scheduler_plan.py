@@ -61,11 +61,38 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     # the long prompt gets what the short one leaves (as ShortPromptProtection gives it), more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
     # short prompts that need more than the budget less the share: the long prompts are held to their share
+    # (in a step after one they were held out of: see the next test)
     crowd = [RequestView(f"s{i}", 0, 30, 30, i + 1) for i in range(3)]
-    plan = plan_step([long, decode], crowd, config)
+    plan = plan_step([long, decode], crowd, config, just_held=["long"])
     assert plan.long_cap == 16 and plan.tokens == {"d": 1, "long": 16, "s0": 16, "s1": 16, "s2": 15}
     # nobody to protect: the long prompt takes the whole budget left
     assert plan_step([long, decode], [], config).tokens == {"d": 1, "long": 63}
+
+
+def test_a_short_prompt_the_cap_would_cut_finishes_in_this_step_with_the_long_prompt_held_out_of_it():
+    config = SchedulerConfig(chunk_size=64, max_num_seqs=16)  # long: above 256 tokens; share 16 of 63
+    long = RequestView("long", 64, 1000, 1000, 0)
+    decode = RequestView("d", 30, 31, 30, 2)
+    short = RequestView("short", 0, 40, 40, 1)
+    plan = plan_step([long, decode], [short], config)
+    # one cap for every request: max(share 16, 63 - 40) = 23 would cut the short prompt to 23 of its 40 tokens
+    assert plan.held == ["long"] and plan.long_cap is None
+    assert plan.tokens == {"d": 1, "short": 40}
+    assert plan.running == ["d", "long"]  # held out of the step, it keeps its place (and its seat)
+    # never two steps running: with the long prompt held in the previous step, the cap splits the short one
+    again = plan_step([long, decode], [short], config, just_held=["long"])
+    assert again.held == [] and again.long_cap == 23 and again.tokens == {"d": 1, "long": 23, "short": 23}
+    # short prompts that would not all finish even without the long one: held too, the oldest finishes now and
+    # the next fills the budget (under the cap the long prompt and each short one would get 16)
+    crowd = plan_step([long, decode], [short, RequestView("s2", 0, 40, 40, 3)], config)
+    assert crowd.held == ["long"] and crowd.tokens == {"d": 1, "short": 40, "s2": 23}
+    # only the short prompts with a seat count: one seat left, the short prompt in it finishes
+    seated = plan_step([long, decode], [short, RequestView("s2", 0, 40, 40, 3)],
+                       SchedulerConfig(chunk_size=64, max_num_seqs=3))
+    assert seated.held == ["long"] and seated.tokens == {"d": 1, "short": 40}
+    # a short prompt the cap does not cut: the long prompt takes what it leaves, as before
+    small = plan_step([long, decode], [RequestView("s", 0, 20, 20, 1)], config)
+    assert small.held == [] and small.tokens == {"d": 1, "long": 43, "s": 20}
 
 
 def test_waiting_short_prompts_are_admitted_before_an_earlier_long_one():
@@ -106,7 +133,7 @@ def test_under_auto_the_long_share_inside_vllm_is_taken_from_the_cap_not_the_ste
     budget = TokenBudget(config, PerTokenCost())
     long = RequestView("long", 496, 5000, 5000, 0)  # long under "auto": above max_num_batched_tokens
     shorts = [RequestView(f"s{i}", 0, 200, 200, i + 1) for i in range(3)]
-    plan = plan_step([long], shorts, config, budget)
+    plan = plan_step([long], shorts, config, budget, just_held=["long"])  # not held again (see plan_step)
     assert plan.token_budget == 496 and plan.long_cap == 248
     assert plan.tokens == {"long": 248, "s0": 200, "s1": 48}
 

@@ -6,12 +6,12 @@ tokens fit next to the decodes already scheduled while the predicted step time s
 seconds:
 
 1. the policy schedules every running decode first (stall-free, as with a fixed budget);
-2. ``prefill_tokens`` grows the step in whole KV blocks (``block_size`` tokens, decodes included, as a fixed
-   ``chunk_size`` counts them) with prefill for the prompts that would take it, in the order the policy fills
-   them (prompts mid-prefill, then waiting ones), and returns the prefill of the largest such step whose
-   predicted time fits (``largest_fitting``: the step time need not grow with the tokens); never less than
-   ``min_chunk_size`` while a prompt waits, so prefill is never starved by a decode-heavy load; never more
-   than ``max_num_batched_tokens`` in all;
+2. ``prefill_tokens`` grows the step in grains of ``gcd(block_size, STEP_GRAIN)`` tokens (whole KV blocks of
+   up to 16 tokens; decodes included, as a fixed ``chunk_size`` counts them) with prefill for the prompts that
+   would take it, in the order the policy fills them (prompts mid-prefill, then waiting ones), and returns the
+   prefill of the largest such step whose predicted time fits (``largest_fitting``: the step time need not grow
+   with the tokens); never less than ``min_chunk_size`` while a prompt waits, so prefill is never starved by a
+   decode-heavy load; never more than ``max_num_batched_tokens`` in all;
 3. after a step with prefill tokens ran (the steps the budget sizes; a decode-only step's ratio, dominated by
    fixed overheads, says little about them), ``observe_output`` feeds its measured time back: a multiplicative
    correction, an exponentially weighted average of ``log(measured / predicted)``, scales every later
@@ -56,15 +56,20 @@ DIP_TOLERANCE = 0.05
 DIP_TOLERANCE)`` proves that no larger one fits. Measured all-reduce tables dip by about 2% of a step."""
 MAX_SCAN = 16
 """Most candidates ``largest_fitting`` evaluates one by one above the binary search's answer."""
+STEP_GRAIN = 16
+"""Steps are sized in grains of ``gcd(block_size, STEP_GRAIN)`` tokens: whole KV blocks where a block holds 16
+tokens (sarathi-lite's default and vLLM's on GPUs), 16 tokens where blocks are larger (vLLM's CPU backend uses
+128-token blocks: in whole blocks the budget's steps jumped between 128 and 256 tokens, and a step that fitted
+at 200 was planned at 128, 30% under its target). Every whole-block step is still a candidate."""
 EFFICIENCY_LOOKBACK, EFFICIENCY_GRAIN = 128, 64
-"""Tokens below the largest fitting step within which ``TokenBudget.prefill_tokens`` also weighs the whole-block
+"""Tokens below the largest fitting step within which ``TokenBudget.prefill_tokens`` also weighs the whole-grain
 steps of a multiple of ``EFFICIENCY_GRAIN`` tokens (GPU matmul tiles are 64 or 128 tokens), taking the one with
 the most tokens per predicted second: at most two more predictions."""
 
 SEAT_BOUND_SHARE, SEAT_BOUND_GRAIN = 1 / 3, 128
 """With ``seat_bound`` (more requests wait than seats are free: the seats, not the prefill, decide how many
 requests finish per second), the share of the largest fitting step's tokens below it within which
-``TokenBudget.prefill_tokens`` weighs the whole-block steps of a multiple of ``SEAT_BOUND_GRAIN`` tokens by the
+``TokenBudget.prefill_tokens`` weighs the whole-grain steps of a multiple of ``SEAT_BOUND_GRAIN`` tokens by the
 prefill tokens per second they add to the decodes' own step (that step runs anyway: the decodes count the
 steps), taking the most: a few more predictions (six at a 2,432-token step) and the decodes' own. A share, not a
 fixed width: the staircase's stairs are a fixed number of tokens apart, but a small step near a memory-bound
@@ -164,12 +169,12 @@ class TokenBudget:
         if not callable(getattr(predictor, "predict_step_time", None)):
             raise ValueError(f"predictor={predictor!r} has no predict_step_time(SchedulerOutput) method")
         self.predictor = predictor
-        self.block_size = config.block_size
+        self.grain = math.gcd(config.block_size, STEP_GRAIN)
         start = config.tbt_slo * config.budget_safety
         self.controller = None if config.tbt_percentile is None else TailController(
             config.tbt_slo, config.tbt_percentile, start, config.tbt_slo * min(TARGET_FLOOR, config.budget_safety))
         self._target = start
-        self.min_blocks = math.ceil(config.min_chunk_size / config.block_size)
+        self.min_grains = math.ceil(config.min_chunk_size / self.grain)
         self.max_tokens = config.max_num_batched_tokens
         self.correction = 1.0
         self._log_correction = 0.0
@@ -201,14 +206,14 @@ class TokenBudget:
     def prefill_tokens(self, out: SchedulerOutput, candidates: Sequence[tuple[Request, int]],
                        seat_bound: bool = False) -> int:
         """Prefill tokens the iteration ``out`` (its decodes already scheduled) may add: as many as make the
-        step's tokens (``out``'s and these) the largest multiple of ``block_size`` whose predicted step fits the
-        target, as a fixed ``chunk_size`` of that many tokens would; at least ``min_chunk_size`` (rounded up to
-        whole blocks) when ``candidates`` is not empty, 0 when it is.
+        step's tokens (``out``'s and these) the largest multiple of ``grain`` (``STEP_GRAIN``) whose predicted
+        step fits the target, as a fixed ``chunk_size`` of that many tokens would; at least ``min_chunk_size``
+        (rounded up to whole grains) when ``candidates`` is not empty, 0 when it is.
 
-        Whole-block steps, not whole-block prefill: every step a fixed chunk size C (a block multiple) runs is
-        then a candidate here too, so the budget never takes fewer tokens than the largest fixed size whose step
-        fits; and a model whose step time jumps at tile boundaries (GPU kernels, in 128-token tiles) is filled
-        to a boundary, not a block short of it with the decodes' odd count left over.
+        Whole-grain steps, not whole-grain prefill: every step a fixed chunk size C (a block multiple, or a
+        multiple of 16) runs is then a candidate here too, so the budget never takes fewer tokens than the
+        largest fixed size whose step fits; and a model whose step time jumps at tile boundaries (GPU kernels, in
+        128-token tiles) is filled to a boundary, not a grain short of it with the decodes' odd count left over.
 
         candidates: ``(request, most tokens its chunk may take)`` for the prompts that would take the prefill
         tokens, in the order the policy fills them. seat_bound: more requests wait than seats are free (see
@@ -217,17 +222,17 @@ class TokenBudget:
         """
         if not candidates:
             return 0
-        bs, used = self.block_size, out.num_batched_tokens
+        g, used = self.grain, out.num_batched_tokens
         wanted = sum(n for _, n in candidates)
-        floor = bs * self.min_blocks
-        lo = -(-(used + floor) // bs)  # the fewest whole blocks in a step with the floor's prefill
-        hi = max(lo, min(self.max_tokens, used + wanted + bs - 1) // bs)
+        floor = g * self.min_grains
+        lo = -(-(used + floor) // g)  # the fewest whole grains in a step with the floor's prefill
+        hi = max(lo, min(self.max_tokens, used + wanted + g - 1) // g)
         target = self.target
         seen: dict[int, float] = {}
 
         def cost(k: int) -> float:
             if k not in seen:
-                seen[k] = self.predict(self._trial(out, candidates, k * bs - used))
+                seen[k] = self.predict(self._trial(out, candidates, k * g - used))
             return seen[k]
 
         k = largest_fitting(cost, lo, hi, target, target * (1 + DIP_TOLERANCE))
@@ -235,8 +240,8 @@ class TokenBudget:
             return floor
         if seat_bound and out.num_decode_tokens:
             low = max(lo, k - math.ceil(k * SEAT_BOUND_SHARE))
-            return most_efficient(cost, low, k, target, bs, SEAT_BOUND_GRAIN, self.predict(out), used) * bs - used
-        return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // bs)), k, target, bs) * bs - used
+            return most_efficient(cost, low, k, target, g, SEAT_BOUND_GRAIN, self.predict(out), used) * g - used
+        return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // g)), k, target, g) * g - used
 
     @staticmethod
     def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int) -> SchedulerOutput:
@@ -334,11 +339,11 @@ class TokenBudget:
         return gap
 
 
-def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float, block_size: int,
+def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float, unit: int,
                    grain: int = EFFICIENCY_GRAIN, base: float = 0.0, used: int = 0) -> int:
-    """Of the step of ``hi`` whole blocks (``cost(hi) <= target``) and those of ``lo``..``hi - 1`` blocks whose
-    tokens are a multiple of ``grain``, the one that fits ``target`` with the most tokens beyond ``used`` per
-    predicted second beyond ``base``; the largest of equals.
+    """Of the step of ``hi`` units of ``unit`` tokens (``cost(hi) <= target``) and those of ``lo``..``hi - 1``
+    units whose tokens are a multiple of ``grain``, the one that fits ``target`` with the most tokens beyond
+    ``used`` per predicted second beyond ``base``; the largest of equals.
 
     With ``base`` and ``used`` 0 that is the most tokens per predicted second: a step just past a GPU tile
     boundary pays for the whole tile and moves fewer tokens per second than the boundary's step, which the
@@ -349,11 +354,11 @@ def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float
     first."""
     def rate(k: int) -> float:
         extra = cost(k) - base
-        return (k * block_size - used) / extra if extra > 0 else math.inf
+        return (k * unit - used) / extra if extra > 0 else math.inf
 
     best, best_rate = hi, rate(hi)
     for k in range(hi - 1, lo - 1, -1):
-        if k * block_size % grain:
+        if k * unit % grain:
             continue
         if cost(k) <= target and (r := rate(k)) > best_rate:
             best, best_rate = k, r

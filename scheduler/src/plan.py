@@ -14,15 +14,23 @@ blocks last. ``plan_step`` decides, from a ``RequestView`` of each request, the 
   head-of-line protection, while a long prompt is mid-prefill beside a short one, the long prompts' share
   (``admission.long_share``, the rule ``ShortPromptProtection`` uses) or, if more, what the short prompts leave
   of the budget, so the short prompts get the rest; otherwise the configured ``long_prefill_token_threshold``.
-  A greedy loop applies one cap to every request: where the short prompts need more than the budget less the
-  share, a short prompt longer than the share gets the share in this step (our own scheduler would give it more).
+  A greedy loop applies one cap to every request, so where the short prompts need more than the budget less the
+  share, a short prompt longer than the share would get only the share in this step (our own scheduler gives it
+  the rest of the budget). So where the cap would cut a short prompt, the long prompts mid-prefill are *held* out
+  of this step instead (``StepPlan.held``; the engine skips them) and the short prompts take the whole budget,
+  each its whole prompt, oldest first; the long prompts take it in the next step: never held in two steps
+  running (``just_held``), so a stream of short prompts cannot starve them (they keep at least their cap every
+  other step). Where the short prompts all finish in the held step, on a cost linear in tokens the long ones
+  lose nothing by it (a share now and a share next step, or nothing now and both next step), and the short
+  prompts' first token comes a step earlier; in a burst of short prompts the oldest finish first, not all of
+  them a share at a time.
 
 Stdlib only, like the whole scheduler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from .admission import long_share
@@ -71,6 +79,8 @@ class StepPlan:
     tokens: what a greedy fill with these settings gives each request when KV blocks and seats do not run out
         (request id -> tokens; waiting requests as if their whole prompt still had to be computed).
     predicted_step_time: with ``chunk_size="auto"``, the predicted seconds of the planned step (else ``None``).
+    held: running request ids (long prompts mid-prefill) the step must leave out, though they stay in ``running``'s
+        order (see the module docstring).
     """
 
     running: list[str]
@@ -79,6 +89,7 @@ class StepPlan:
     long_cap: int | None
     tokens: dict[str, int] = field(default_factory=dict)
     predicted_step_time: float | None = None
+    held: list[str] = field(default_factory=list)
 
 
 def fill(running: Sequence[RequestView], waiting: Sequence[RequestView], token_budget: int,
@@ -112,18 +123,19 @@ def decode_rows(decodes: Sequence[RequestView]) -> SchedulerOutput:
 
 
 def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], config: SchedulerConfig,
-              budget: TokenBudget | None = None) -> StepPlan:
+              budget: TokenBudget | None = None, just_held: Collection[str] = ()) -> StepPlan:
     """Decide one step (see the module docstring).
 
     running: the requests holding KV blocks, in the engine's order. waiting: the queue, in its order.
     config: a chunked policy's ``SchedulerConfig`` (its ``chunk_size``, ``max_num_batched_tokens``,
     ``hol_protection``, ``long_prefill_token_threshold``, ...). budget: the ``TokenBudget`` of
-    ``chunk_size="auto"`` (required then)."""
+    ``chunk_size="auto"`` (required then). just_held: the previous step's ``StepPlan.held`` (not held again)."""
     decodes = [v for v in running if v.is_decode]
     prefills = sorted((v for v in running if not v.is_decode), key=lambda v: v.arrival)
     limit = config.max_num_batched_tokens
     seats = max(config.max_running - len(running), 0)
     predicted = None
+    held: list[str] = []
     if config.auto_budget:
         if budget is None:
             raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
@@ -157,12 +169,34 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
             # f8d56a6: short TTFT p99 3.75 / 2.45 s, long 15.0 / 14.6 s, against 1.46 / 2.09 s and 7.3 / 9.5 s)
             share = long_share(config, prefill_budget, sum(v.num_remaining for v in longs), config.token_budget)
             long_cap = max(share, prefill_budget - short_need, 1)
+            held = _held(decodes, shorts, longs, waiting_order, waiting_shorts, token_budget, long_cap, config,
+                         just_held)
+            if held:  # the short prompts take the budget without a cap
+                long_cap = None
     ordered = decodes + prefills
-    tokens = fill(ordered, waiting_order, token_budget, long_cap, config.max_running)
+    kept = [v for v in ordered if v.request_id not in held]  # held requests keep their seats
+    tokens = fill(kept, waiting_order, token_budget, long_cap, config.max_running - len(held))
     if budget is not None:
         predicted = budget.predict(_planned_output(ordered, waiting_order, tokens))
     return StepPlan([v.request_id for v in ordered], [v.request_id for v in waiting_order], token_budget,
-                    long_cap, tokens, predicted)
+                    long_cap, tokens, predicted, held)
+
+
+def _held(decodes: list[RequestView], shorts: list[RequestView], longs: list[RequestView],
+          waiting: list[RequestView], waiting_shorts: list[RequestView], token_budget: int, long_cap: int,
+          config: SchedulerConfig, just_held: Collection[str]) -> list[str]:
+    """The ids of the long prompts mid-prefill to hold out of this step (see the module docstring): all of them
+    when under ``long_cap`` some short prompt would not finish its prefill in this step and no long one was held
+    in the previous step (``just_held``); else none. Held, the long prompts leave the short ones the whole budget
+    (each its whole prompt, oldest first: where they do not all finish they fill the budget, so nothing is left
+    that the long ones could have had). ``waiting``: the queue in the plan's order; ``waiting_shorts``: its short
+    prompts with a seat."""
+    if any(v.request_id in just_held for v in longs):
+        return []
+    tokens = fill(decodes + shorts + longs, waiting, token_budget, long_cap, config.max_running)
+    if all(tokens.get(v.request_id, 0) >= v.num_remaining for v in (*shorts, *waiting_shorts)):
+        return []
+    return [v.request_id for v in longs]
 
 
 def _planned_output(running: Sequence[RequestView], waiting: Sequence[RequestView],

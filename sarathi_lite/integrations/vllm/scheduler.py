@@ -3,14 +3,17 @@
 vLLM keeps everything it owns: its requests, KV cache manager (``allocate_slots``, prefix caching, preemption),
 connectors, structured output and outputs. Each ``schedule()`` the plugin reads a ``RequestView`` of every running
 and waiting request, asks ``sarathi_lite.scheduler.plan.plan_step`` for the step, and hands the decision to
-vLLM's own fill loop through the three settings it reads at the top of every step:
+vLLM's own fill loop through the settings it reads at the top of every step:
 
 - the order of ``self.running`` (decodes first, then prompts mid-prefill) and of ``self.waiting``;
 - ``self.max_num_scheduled_tokens``, the step's token budget (``chunk_size``, or the ``"auto"`` budget);
 - ``scheduler_config.long_prefill_token_threshold``, the cap on one request's tokens in this step (the long
-  prompts' share under head-of-line protection).
+  prompts' share under head-of-line protection);
+- and for a step that holds the long prompts mid-prefill out (``StepPlan.held``: the short prompts beside them
+  then finish in this step), each such request's ``next_decode_eligible_step``, which vLLM's fill loop checks
+  before it gives a running request tokens.
 
-Both settings are put back after the step, so vLLM's configuration is unchanged between steps. With
+All are put back after the step, so vLLM's configuration is unchanged between steps. With
 ``policy="vllm_v1"`` nothing is changed and the steps are only logged. Every step appends a record to
 ``step_log`` (bounded in memory; also a JSON-lines file with the ``step_log`` option): the plan and what vLLM
 scheduled, so tests and benchmarks can check each claim against what really ran.
@@ -72,6 +75,7 @@ class SarathiScheduler(AsyncScheduler):
         # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
         self._step_started: dict[int, tuple[float, SchedulerOutput, dict[str, Any]]] = {}
         self._known: set[str] = set()  # the requests a step record has named (live ones only)
+        self._held: set[str] = set()  # the long prompts the last step held out (plan_step's just_held)
         logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
                     config.chunk_size, config.hol_protection)
 
@@ -86,17 +90,25 @@ class SarathiScheduler(AsyncScheduler):
             return output
         running = [_view(r) for r in self.running]
         waiting = [_view(r) for r in self.waiting]
-        plan = plan_step(running, waiting, self.options.config, self.token_budget)
+        plan = plan_step(running, waiting, self.options.config, self.token_budget, self._held)
+        self._held = set(plan.held)
         self._reorder(plan)
         sched = self.scheduler_config
         threshold, budget = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
         sched.long_prefill_token_threshold = plan.long_cap or 0
         self.max_num_scheduled_tokens = plan.token_budget
+        # a held request is skipped by vLLM's fill loop as one not yet eligible (schedule() counts this step as
+        # current_step + 1); it keeps its place in self.running, so it is still the preemption victim it would be
+        held = [(r, r.next_decode_eligible_step) for r in self.running if r.request_id in self._held]
+        for r, eligible in held:
+            r.next_decode_eligible_step = max(eligible, self.current_step + 2)
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             sched.long_prefill_token_threshold = threshold
             self.max_num_scheduled_tokens = budget
+            for r, eligible in held:
+                r.next_decode_eligible_step = eligible
         self._record(output, [v.request_id for v in running if v.is_decode], plan, started)
         return output
 
@@ -126,12 +138,17 @@ class SarathiScheduler(AsyncScheduler):
             "preempted": preempted,
             "token_budget": plan.token_budget if plan else self.max_num_scheduled_tokens,
             "long_cap": plan.long_cap if plan else None,
+            "held": plan.held if plan else [],
             "planned": plan.tokens if plan else None,
             "predicted": plan.predicted_step_time if plan else None,
             "measured": None,
             "gap": None,
             "time": time.monotonic(),
         }
+        if self.token_budget is not None and plan is not None:  # the "auto" budget's state the step was sized by
+            b = self.token_budget
+            record["budget"] = {"target": b.target, "correction": b.correction, "spread": b.spread,
+                                "between": b.between}
         self.step_log.append(record)
         if self.token_budget is not None and scheduled:
             rows = SchedulerOutput()  # the step as the cost model prices it (computed counts advanced already)
