@@ -217,6 +217,9 @@ def main() -> None:
                         "at the higher ones in that round")
     p.add_argument("--capacity-requests", type=int, default=32, help="requests per conversation cell")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--first-round", type=int, default=0,
+                   help="the first round's number (round r draws its workloads from seed r; odd rounds run the "
+                        "systems in reverse order): to add rounds to an earlier run")
     p.add_argument("--threads", type=int, default=2, help="sarathi-lite's torch threads")
     p.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -279,7 +282,7 @@ def main() -> None:
         try:
             startup[phase] = {name: round(s.wait(args.start_timeout), 1) for name, s in running.items()}
             warm_up(running, tmp)
-            for rnd in range(args.rounds):
+            for rnd in range(args.first_round, args.first_round + args.rounds):
                 order = names if rnd % 2 == 0 else names[::-1]
                 if phase == "long-tail":
                     wl = long_tail(tmp, rnd, args.num_requests, args.qps, args.long_prompt, args.long_every)
