@@ -136,6 +136,9 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
     seats = max(config.max_running - len(running), 0)
     predicted = None
     held: list[str] = []
+    # under protection, the long prompts mid-prefill this step may hold out for the short prompts it protects
+    holdable: list[RequestView] = []
+    protected: tuple[RequestView, ...] = ()
     if config.auto_budget:
         if budget is None:
             raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
@@ -169,34 +172,19 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
             # f8d56a6: short TTFT p99 3.75 / 2.45 s, long 15.0 / 14.6 s, against 1.46 / 2.09 s and 7.3 / 9.5 s)
             share = long_share(config, prefill_budget, sum(v.num_remaining for v in longs), config.token_budget)
             long_cap = max(share, prefill_budget - short_need, 1)
-            held = _held(decodes, shorts, longs, waiting_order, waiting_shorts, token_budget, long_cap, config,
-                         just_held)
-            if held:  # the short prompts take the budget without a cap
-                long_cap = None
+            if not any(v.request_id in just_held for v in longs):  # never held two steps running
+                holdable, protected = longs, (*shorts, *waiting_shorts)
     ordered = decodes + prefills
-    kept = [v for v in ordered if v.request_id not in held]  # held requests keep their seats
-    tokens = fill(kept, waiting_order, token_budget, long_cap, config.max_running - len(held))
+    tokens = fill(ordered, waiting_order, token_budget, long_cap, config.max_running)
+    if any(tokens.get(v.request_id, 0) < v.num_remaining for v in protected):
+        # the cap cuts a short prompt: the long prompts are held out, the short ones take the budget uncapped
+        held, long_cap = [v.request_id for v in holdable], None
+        kept = [v for v in ordered if v.request_id not in held]  # held requests keep their seats
+        tokens = fill(kept, waiting_order, token_budget, None, config.max_running - len(held))
     if budget is not None:
         predicted = budget.predict(_planned_output(ordered, waiting_order, tokens))
     return StepPlan([v.request_id for v in ordered], [v.request_id for v in waiting_order], token_budget,
                     long_cap, tokens, predicted, held)
-
-
-def _held(decodes: list[RequestView], shorts: list[RequestView], longs: list[RequestView],
-          waiting: list[RequestView], waiting_shorts: list[RequestView], token_budget: int, long_cap: int,
-          config: SchedulerConfig, just_held: Collection[str]) -> list[str]:
-    """The ids of the long prompts mid-prefill to hold out of this step (see the module docstring): all of them
-    when under ``long_cap`` some short prompt would not finish its prefill in this step and no long one was held
-    in the previous step (``just_held``); else none. Held, the long prompts leave the short ones the whole budget
-    (each its whole prompt, oldest first: where they do not all finish they fill the budget, so nothing is left
-    that the long ones could have had). ``waiting``: the queue in the plan's order; ``waiting_shorts``: its short
-    prompts with a seat."""
-    if any(v.request_id in just_held for v in longs):
-        return []
-    tokens = fill(decodes + shorts + longs, waiting, token_budget, long_cap, config.max_running)
-    if all(tokens.get(v.request_id, 0) >= v.num_remaining for v in (*shorts, *waiting_shorts)):
-        return []
-    return [v.request_id for v in longs]
 
 
 def _planned_output(running: Sequence[RequestView], waiting: Sequence[RequestView],

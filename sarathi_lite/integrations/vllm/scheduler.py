@@ -99,17 +99,17 @@ class SarathiScheduler(AsyncScheduler):
         self.max_num_scheduled_tokens = plan.token_budget
         # a held request is skipped by vLLM's fill loop as one not yet eligible (schedule() counts this step as
         # current_step + 1); it keeps its place in self.running, so it is still the preemption victim it would be
-        skip = self.current_step + 2
-        held = [(r, r.next_decode_eligible_step) for r in self.running if r.request_id in self._held]
-        for r, eligible in held:
-            r.next_decode_eligible_step = max(eligible, skip)
+        held = [(r, r.next_decode_eligible_step, max(r.next_decode_eligible_step, self.current_step + 2))
+                for r in self.running if r.request_id in self._held]
+        for r, _, skip in held:
+            r.next_decode_eligible_step = skip
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             sched.long_prefill_token_threshold = threshold
             self.max_num_scheduled_tokens = budget
-            for r, eligible in held:
-                if r.next_decode_eligible_step == max(eligible, skip):  # unless vLLM set it since
+            for r, eligible, skip in held:
+                if r.next_decode_eligible_step == skip:  # unless vLLM set it since
                     r.next_decode_eligible_step = eligible
         self._record(output, [v.request_id for v in running if v.is_decode], plan, started)
         return output
