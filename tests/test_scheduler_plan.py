@@ -138,6 +138,67 @@ def test_under_auto_the_long_share_inside_vllm_is_taken_from_the_cap_not_the_ste
     assert plan.tokens == {"long": 248, "s0": 200, "s1": 48}
 
 
+class ContextCost:
+    """A step time of 10 ms, 0.1 ms per token and 0.05 us per query x key pair of a prompt chunk (about this CPU's
+    profile's ratio): a long prompt's tokens deep in its prefill cost twice a fresh short prompt's."""
+
+    def predict_step_time(self, out) -> float:
+        pairs = sum(s.num_new_tokens * (s.num_computed_tokens + s.num_new_tokens) for s in out.scheduled
+                    if s.is_prefill)
+        return 0.010 + 1e-4 * out.num_batched_tokens + 5e-8 * pairs
+
+
+def largest_step(rows, target, grain=16):
+    """The most tokens (whole grains) of a step giving ``rows`` ((start, most tokens), in order, a decode being
+    (start, 1)) their tokens greedily whose ``ContextCost`` fits ``target``: brute force."""
+    from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+    best = 0
+    for k in range(grain, 2048 + 1, grain):
+        out, left = SchedulerOutput(), k
+        for i, (start, most) in enumerate(rows):
+            n = min(most, left)
+            if n > 0:
+                out.add(ScheduledRequest(f"r{i}", start, n, [], [], True, most > 1))
+                left -= n
+        if ContextCost().predict_step_time(out) <= target:
+            best = k
+    return best
+
+
+def test_under_auto_a_short_prompt_beside_a_long_prefill_is_sized_at_its_own_cost_and_finishes_in_the_step():
+    # the step is sized on the tokens in the order they are given (the short prompt's whole need first, the long
+    # prompt the rest), not as if the long prompt, deep in its prefill, took them all at twice the cost:
+    # the step that was sized so took 154 of a 168-token short prompt inside vLLM, which then took a second step
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.2, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, max_num_seqs=64)
+    budget = TokenBudget(config, ContextCost())
+    long = RequestView("long", 2400, 5000, 5000, 0)  # long under "auto": above max_num_batched_tokens
+    decode = RequestView("d", 50, 51, 50, 1)
+    short = RequestView("short", 0, 168, 168, 2)
+    plan = plan_step([long, decode], [short], config, budget)
+    assert plan.held == [] and plan.tokens["short"] == 168 and plan.tokens["d"] == 1
+    step = largest_step([(50, 1), (0, 168), (2400, 2600)], 0.2)
+    assert plan.token_budget == step and plan.tokens["long"] == step - 169
+    assert plan.predicted_step_time <= 0.2
+    # sized as if the long prompt took the tokens first, at twice the cost, the step would have been smaller
+    assert largest_step([(50, 1), (2400, 2600), (0, 168)], 0.2) < step
+
+
+def test_under_auto_a_step_that_holds_the_long_prompt_out_is_sized_again_for_the_short_ones():
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.07, budget_safety=1.0, block_size=16,
+                             max_num_batched_tokens=2048, max_num_seqs=64)
+    budget = TokenBudget(config, ContextCost())
+    long = RequestView("long", 2400, 5000, 5000, 0)
+    decode = RequestView("d", 50, 51, 50, 1)
+    shorts = [RequestView(f"s{i}", 0, 150, 150, 2 + i) for i in range(2)]
+    plan = plan_step([long, decode], shorts, config, budget)
+    # the 300 short tokens fit the step, but not beside the long prompt's share: the long prompt is held out and
+    # the step holds the two short prompts whole, as many tokens as fit with them alone
+    assert plan.held == ["long"] and plan.tokens == {"d": 1, "s0": 150, "s1": 150}
+    assert plan.token_budget == min(largest_step([(50, 1), (0, 150), (0, 150)], 0.07), 16 * -(-301 // 16))
+    assert plan.predicted_step_time <= 0.07
+
+
 def test_fill_respects_seats_cap_and_budget():
     views = [RequestView(f"r{i}", 0, 50, 50, i) for i in range(5)]
     assert fill(views[:1], views[1:], 120, 30, max_running=3) == {"r0": 30, "r1": 30, "r2": 30}

@@ -134,23 +134,12 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
     prefills = sorted((v for v in running if not v.is_decode), key=lambda v: v.arrival)
     limit = config.max_num_batched_tokens
     seats = max(config.max_running - len(running), 0)
-    predicted = None
-    held: list[str] = []
-    # under protection, the long prompts mid-prefill this step may hold out for the short prompts it protects
-    holdable: list[RequestView] = []
-    protected: tuple[RequestView, ...] = ()
-    if config.auto_budget:
-        if budget is None:
-            raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
-        out = decode_rows(decodes)
-        candidates = [(v, v.num_remaining) for v in (*prefills, *waiting[:seats])]
-        prefill = budget.prefill_tokens(out, candidates, seat_bound=len(waiting) > seats)
-        token_budget = min(len(decodes) + prefill, limit)
-    else:
-        token_budget = min(max(config.chunk_size, len(decodes)), limit)
-    long_cap = config.long_prefill_token_threshold
     waiting_order = list(waiting)
     threshold = config.long_threshold if config.protects_short_prompts else None
+    longs: list[RequestView] = []
+    shorts: list[RequestView] = []
+    waiting_shorts: list[RequestView] = []  # of the waiting prompts a step may admit (with a seat)
+    waiting_longs: list[RequestView] = []
     if threshold is not None:
         def is_long(v: RequestView) -> bool:
             return v.num_prompt_tokens > threshold
@@ -159,9 +148,31 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
         shorts = [v for v in prefills if not is_long(v)]
         waiting_order = [v for v in waiting if not is_long(v)] + [v for v in waiting if is_long(v)]
         prefills = shorts + longs
-        long_cap = None
         waiting_shorts = [v for v in waiting[:seats] if not is_long(v)]
-        if longs and (shorts or waiting_shorts):
+        waiting_longs = [v for v in waiting[:seats] if is_long(v)]
+    protecting = bool(longs and (shorts or waiting_shorts))
+    # under protection, the long prompts mid-prefill this step may hold out for the short prompts it protects
+    holdable = protecting and not any(v.request_id in just_held for v in longs)  # never held two steps running
+    seated = [*waiting_shorts, *waiting_longs] if threshold is not None else list(waiting[:seats])
+    if config.auto_budget:
+        if budget is None:
+            raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
+        # sized on the prompts in the order their tokens are given: where the long prompts may be held, the short
+        # ones first (the cap then leaves them their whole need, or the long ones are held and the step is sized
+        # again below); where they may not, the prompts mid-prefill first, as the cap may give the long ones their
+        # share before the short ones are through (a short prompt's tokens, at a short context, cost less)
+        if holdable:
+            order = [*shorts, *waiting_shorts, *longs, *waiting_longs]
+        else:
+            order = [*prefills, *seated]
+        token_budget = _auto_budget(budget, decodes, order, len(waiting) > seats, limit)
+    else:
+        token_budget = min(max(config.chunk_size, len(decodes)), limit)
+    long_cap = config.long_prefill_token_threshold
+    protected: tuple[RequestView, ...] = ()
+    if threshold is not None:
+        long_cap = None
+        if protecting:
             # the long prompts get their share, and whatever the short ones leave of the budget
             prefill_budget = token_budget - len(decodes)
             short_need = sum(v.num_remaining for v in (*shorts, *waiting_shorts))
@@ -172,19 +183,33 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
             # f8d56a6: short TTFT p99 3.75 / 2.45 s, long 15.0 / 14.6 s, against 1.46 / 2.09 s and 7.3 / 9.5 s)
             share = long_share(config, prefill_budget, sum(v.num_remaining for v in longs), config.token_budget)
             long_cap = max(share, prefill_budget - short_need, 1)
-            if not any(v.request_id in just_held for v in longs):  # never held two steps running
-                holdable, protected = longs, (*shorts, *waiting_shorts)
+            if holdable:
+                protected = (*shorts, *waiting_shorts)
     ordered = decodes + prefills
     tokens = fill(ordered, waiting_order, token_budget, long_cap, config.max_running)
+    held: list[str] = []
     if any(tokens.get(v.request_id, 0) < v.num_remaining for v in protected):
         # the cap cuts a short prompt: the long prompts are held out, the short ones take the budget uncapped
-        held, long_cap = [v.request_id for v in holdable], None
+        held, long_cap = [v.request_id for v in longs], None
         kept = [v for v in ordered if v.request_id not in held]  # held requests keep their seats
+        if budget is not None:  # sized again for what the step now holds
+            order = [*shorts, *seated]
+            token_budget = _auto_budget(budget, decodes, order, len(waiting) > seats, limit)
         tokens = fill(kept, waiting_order, token_budget, None, config.max_running - len(held))
+    predicted = None
     if budget is not None:
         predicted = budget.predict(_planned_output(ordered, waiting_order, tokens))
     return StepPlan([v.request_id for v in ordered], [v.request_id for v in waiting_order], token_budget,
                     long_cap, tokens, predicted, held)
+
+
+def _auto_budget(budget: TokenBudget, decodes: Sequence[RequestView], prompts: Sequence[RequestView],
+                 seat_bound: bool, limit: int) -> int:
+    """The ``chunk_size="auto"`` step: the decodes plus the prefill tokens ``budget`` predicts fit for
+    ``prompts`` (in the order they take them), at most ``limit`` tokens in all (``seat_bound``: see
+    ``TokenBudget.prefill_tokens``)."""
+    prefill = budget.prefill_tokens(decode_rows(decodes), [(v, v.num_remaining) for v in prompts], seat_bound)
+    return min(len(decodes) + prefill, limit)
 
 
 def _planned_output(running: Sequence[RequestView], waiting: Sequence[RequestView],
