@@ -65,13 +65,6 @@ EFFICIENCY_LOOKBACK, EFFICIENCY_GRAIN = 128, 64
 """Tokens below the largest fitting step within which ``TokenBudget.prefill_tokens`` also weighs the whole-grain
 steps of a multiple of ``EFFICIENCY_GRAIN`` tokens (GPU matmul tiles are 64 or 128 tokens), taking the one with
 the most tokens per predicted second: at most two more predictions."""
-EFFICIENCY_MIN_GAIN = 0.02
-"""How much more efficient (tokens per predicted second) a smaller step must be than the best larger fitting one,
-per ``EFFICIENCY_GRAIN`` tokens it drops, for ``TokenBudget.prefill_tokens`` to take it (``most_efficient``'s
-``min_gain``): a tile boundary's step gains several percent over a few tokens (the H100's 256-token step moved
-6.7% more tokens per second than its 272-token step), while a chunk's own attention, growing with its square,
-bends this CPU's profile smoothly by about 1.5% per 64 tokens, and without the bar the budget chose 256-token
-steps where about 350 fitted: a 3,000-token prompt beside decodes took a third more steps inside vLLM (2026-12-06)."""
 
 SEAT_BOUND_SHARE, SEAT_BOUND_GRAIN = 1 / 3, 128
 """With ``seat_bound`` (more requests wait than seats are free: the seats, not the prefill, decide how many
@@ -112,6 +105,15 @@ than room under it is taken)."""
 
 
 class StepTimePredictor(Protocol):
+    """What ``TokenBudget`` predicts with. It may also have ``predict_size_time(out) -> float``: the seconds of
+    the parts of ``out`` that depend on how many tokens and requests it holds, not on the requests' contexts
+    (attention). The efficiency pass (``most_efficient``) then weighs steps by it: attention is work a prompt's
+    tokens carry into whatever step runs them (a prompt's query x key pairs, chunked or not, are about half its
+    length squared), so weighed with it a step is rated higher for holding fewer tokens of a long prompt deep in
+    its prefill, or for a smaller chunk of a chunk's own attention, and the pass cut steps that stairs did not
+    (inside vLLM on the CPU, 256-token steps beside a 3,000-token prompt where about 350 fitted, and the prompt
+    took 15 steps, 2026-12-06). Without it the pass weighs ``predict_step_time``."""
+
     def predict_step_time(self, out: SchedulerOutput) -> float:
         """Seconds one iteration running ``out`` takes, from its start to its end."""
         ...
@@ -242,24 +244,25 @@ class TokenBudget:
                 seen[k] = self.predict(self._trial(out, candidates, k * g - used))
             return seen[k]
 
-        def fresh(k: int) -> float:  # the step with its prompts' tokens at no context: what the efficiency weighs
-            return self.predict(self._trial(out, candidates, k * g - used, fresh=True))
+        sized = getattr(self.predictor, "predict_size_time", None)  # what the efficiency pass weighs, if given
+
+        def weigh(k: int) -> float:
+            return self.corrected(sized(self._trial(out, candidates, k * g - used)))
 
         k = largest_fitting(cost, lo, hi, target, target * (1 + DIP_TOLERANCE))
         if cost(k) > target:
             return floor
         if seat_bound and out.num_decode_tokens:
             low = max(lo, k - math.ceil(k * SEAT_BOUND_SHARE))
-            return most_efficient(cost, low, k, target, g, SEAT_BOUND_GRAIN, self.predict(out), used,
-                                  weigh=fresh) * g - used
-        return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // g)), k, target, g, weigh=fresh,
-                              min_gain=EFFICIENCY_MIN_GAIN) * g - used
+            base = self.corrected(sized(out)) if sized else self.predict(out)
+            return most_efficient(cost, low, k, target, g, SEAT_BOUND_GRAIN, base, used,
+                                  weigh if sized else None) * g - used
+        return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // g)), k, target, g,
+                              weigh=weigh if sized else None) * g - used
 
     @staticmethod
-    def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int,
-               fresh: bool = False) -> SchedulerOutput:
-        """``out`` plus the prefill rows ``budget`` tokens would add (token ids and block tables left empty);
-        fresh: each row as if its prompt had no tokens computed yet (its chunk's cost without its context)."""
+    def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int) -> SchedulerOutput:
+        """``out`` plus the prefill rows ``budget`` tokens would add (token ids and block tables left empty)."""
         trial = SchedulerOutput(list(out.scheduled), num_prefill_tokens=out.num_prefill_tokens,
                                 num_decode_tokens=out.num_decode_tokens, num_prefills=out.num_prefills,
                                 num_decodes=out.num_decodes)
@@ -268,8 +271,7 @@ class TokenBudget:
                 break
             n = min(n, budget)
             start = req.num_computed_tokens
-            trial.add(ScheduledRequest(req.request_id, 0 if fresh else start, n, [], [], start + n == req.num_tokens,
-                                       True))
+            trial.add(ScheduledRequest(req.request_id, start, n, [], [], start + n == req.num_tokens, True))
             budget -= n
         return trial
 
@@ -356,7 +358,7 @@ class TokenBudget:
 
 def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float, unit: int,
                    grain: int = EFFICIENCY_GRAIN, base: float = 0.0, used: int = 0,
-                   weigh: Callable[[int], float] | None = None, min_gain: float = 0.0) -> int:
+                   weigh: Callable[[int], float] | None = None) -> int:
     """Of the step of ``hi`` units of ``unit`` tokens (``cost(hi) <= target``) and those of ``lo``..``hi - 1``
     units whose tokens are a multiple of ``grain``, the one that fits ``target`` with the most tokens beyond
     ``used`` per predicted second beyond ``base``; the largest of equals.
@@ -366,12 +368,10 @@ def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float
     largest fitting step alone cannot see; where the step time grows no faster than its tokens (an affine cost,
     the CPU), the largest fitting step is the most efficient and is kept. With ``base`` the predicted seconds of
     the step's ``used`` decode tokens alone, it is the most prefill tokens per second they add to it: the
-    measure when the decodes' step runs anyway (``SEAT_BOUND_SHARE``). A smaller step is taken only when it is at
-    least ``min_gain`` more efficient than the best larger one per ``grain`` tokens it drops (a staircase's stair,
-    not a smooth bend). A step that adds no time is taken first. weigh: the predicted seconds the rate is taken on
-    (default ``cost``); ``TokenBudget`` weighs each step with its prompts' tokens at no context, so a step is not
-    rated higher for holding fewer tokens of a long prompt deep in its prefill (they cost as much in any later step)
-    or more of a fresh short one."""
+    measure when the decodes' step runs anyway (``SEAT_BOUND_SHARE``). A step that adds no time is taken first.
+    weigh: the predicted seconds the rate is taken on (default ``cost``, which still decides what fits); with
+    ``base``, the decodes' alone on the same terms. ``TokenBudget`` weighs with the predictor's
+    ``predict_size_time`` where it has one (see ``StepTimePredictor``)."""
     weigh = weigh or cost
 
     def rate(k: int) -> float:
@@ -382,7 +382,7 @@ def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float
     for k in range(hi - 1, lo - 1, -1):
         if k * unit % grain:
             continue
-        if cost(k) <= target and (r := rate(k)) > best_rate * (1 + min_gain * (best - k) * unit / grain):
+        if cost(k) <= target and (r := rate(k)) > best_rate:
             best, best_rate = k, r
     return best
 
