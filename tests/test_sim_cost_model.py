@@ -55,20 +55,6 @@ def test_batch_terms_count_tokens_chunks_samples_and_attention_work():
     assert TERMS == ("decode_tokens", "prefill_chunks", "sampled", "prefill_attention", "decode_attention")
 
 
-def test_size_time_is_the_step_time_without_its_attention_and_ignores_the_contexts():
-    model = ProfiledCostModel(KNOTS, TRUE_CURVE, TRUE_TERMS, schedule_constant=2e-3, schedule_per_request=1e-5)
-    rng = np.random.default_rng(3)
-    for _ in range(20):
-        out = random_batch(rng)
-        row = dict(zip(("tokens", *TERMS), batch_terms(out)))
-        attention = sum(TRUE_TERMS[t] * row[t] for t in ("prefill_attention", "decode_attention"))
-        assert model.predict_size_time(out) == pytest.approx(model.predict_step_time(out) - attention, rel=1e-12)
-    # the same chunks deep in a long prompt or fresh: the same size time, a larger step time
-    deep, fresh = batch([3000] * 4, [(2400, 300, False)]), batch([10] * 4, [(0, 300, False)])
-    assert model.predict_size_time(deep) == pytest.approx(model.predict_size_time(fresh))
-    assert model.predict_step_time(deep) > model.predict_step_time(fresh)
-
-
 def test_token_curve_interpolates_between_knots_and_extends_the_chord_over_its_top_two_octaves():
     model = ProfiledCostModel((1, 4, 8), (1.0, 4.0, 6.0))
     assert [model.token_time(t) for t in (0, 1, 2, 4, 6, 8)] == [1.0, 1.0, 2.0, 4.0, 5.0, 6.0]

@@ -179,14 +179,6 @@ class ProfiledCostModel(CostModel):
         return self.schedule_constant + self.schedule_per_request * len(out.scheduled) + \
             self.typical_forward(batch_terms(out))
 
-    def predict_size_time(self, out: SchedulerOutput) -> float:
-        """``predict_step_time`` without the attention terms (``prefill_attention``, ``decode_attention``): the
-        seconds that depend on how many tokens and requests ``out`` holds, which ``TokenBudget``'s efficiency
-        pass weighs steps by (``sarathi_lite.scheduler.budget.StepTimePredictor``)."""
-        row = batch_terms(out)
-        return self.schedule_constant + self.schedule_per_request * len(out.scheduled) + self.token_time(row[0]) + \
-            sum(c * v for t, c, v in zip(TERMS, self._coef, row[1:]) if not t.endswith("_attention"))
-
     def predict(self, out: SchedulerOutput) -> StepTiming:
         sched = self.schedule_constant + self.schedule_per_request * len(out.scheduled)
         row = batch_terms(out)

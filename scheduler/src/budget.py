@@ -105,15 +105,6 @@ than room under it is taken)."""
 
 
 class StepTimePredictor(Protocol):
-    """What ``TokenBudget`` predicts with. It may also have ``predict_size_time(out) -> float``: the seconds of
-    the parts of ``out`` that depend on how many tokens and requests it holds, not on the requests' contexts
-    (attention). The efficiency pass (``most_efficient``) then weighs steps by it: attention is work a prompt's
-    tokens carry into whatever step runs them (a prompt's query x key pairs, chunked or not, are about half its
-    length squared), so weighed with it a step is rated higher for holding fewer tokens of a long prompt deep in
-    its prefill, or for a smaller chunk of a chunk's own attention, and the pass cut steps that stairs did not
-    (inside vLLM on the CPU, 256-token steps beside a 3,000-token prompt where about 350 fitted, and the prompt
-    took 15 steps, 2026-12-06). Without it the pass weighs ``predict_step_time``."""
-
     def predict_step_time(self, out: SchedulerOutput) -> float:
         """Seconds one iteration running ``out`` takes, from its start to its end."""
         ...
@@ -244,21 +235,13 @@ class TokenBudget:
                 seen[k] = self.predict(self._trial(out, candidates, k * g - used))
             return seen[k]
 
-        sized = getattr(self.predictor, "predict_size_time", None)  # what the efficiency pass weighs, if given
-
-        def weigh(k: int) -> float:
-            return self.corrected(sized(self._trial(out, candidates, k * g - used)))
-
         k = largest_fitting(cost, lo, hi, target, target * (1 + DIP_TOLERANCE))
         if cost(k) > target:
             return floor
         if seat_bound and out.num_decode_tokens:
             low = max(lo, k - math.ceil(k * SEAT_BOUND_SHARE))
-            base = self.corrected(sized(out)) if sized else self.predict(out)
-            return most_efficient(cost, low, k, target, g, SEAT_BOUND_GRAIN, base, used,
-                                  weigh if sized else None) * g - used
-        return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // g)), k, target, g,
-                              weigh=weigh if sized else None) * g - used
+            return most_efficient(cost, low, k, target, g, SEAT_BOUND_GRAIN, self.predict(out), used) * g - used
+        return most_efficient(cost, max(lo, k - -(-EFFICIENCY_LOOKBACK // g)), k, target, g) * g - used
 
     @staticmethod
     def _trial(out: SchedulerOutput, candidates: Sequence[tuple[Request, int]], budget: int) -> SchedulerOutput:
@@ -357,8 +340,7 @@ class TokenBudget:
 
 
 def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float, unit: int,
-                   grain: int = EFFICIENCY_GRAIN, base: float = 0.0, used: int = 0,
-                   weigh: Callable[[int], float] | None = None) -> int:
+                   grain: int = EFFICIENCY_GRAIN, base: float = 0.0, used: int = 0) -> int:
     """Of the step of ``hi`` units of ``unit`` tokens (``cost(hi) <= target``) and those of ``lo``..``hi - 1``
     units whose tokens are a multiple of ``grain``, the one that fits ``target`` with the most tokens beyond
     ``used`` per predicted second beyond ``base``; the largest of equals.
@@ -368,14 +350,10 @@ def most_efficient(cost: Callable[[int], float], lo: int, hi: int, target: float
     largest fitting step alone cannot see; where the step time grows no faster than its tokens (an affine cost,
     the CPU), the largest fitting step is the most efficient and is kept. With ``base`` the predicted seconds of
     the step's ``used`` decode tokens alone, it is the most prefill tokens per second they add to it: the
-    measure when the decodes' step runs anyway (``SEAT_BOUND_SHARE``). A step that adds no time is taken first.
-    weigh: the predicted seconds the rate is taken on (default ``cost``, which still decides what fits); with
-    ``base``, the decodes' alone on the same terms. ``TokenBudget`` weighs with the predictor's
-    ``predict_size_time`` where it has one (see ``StepTimePredictor``)."""
-    weigh = weigh or cost
-
+    measure when the decodes' step runs anyway (``SEAT_BOUND_SHARE``). A step that adds no time is taken
+    first."""
     def rate(k: int) -> float:
-        extra = weigh(k) - base
+        extra = cost(k) - base
         return (k * unit - used) / extra if extra > 0 else math.inf
 
     best, best_rate = hi, rate(hi)
