@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from sarathi_lite.scheduler import Request, SchedulerConfig, TokenBudget, make_scheduler
+from sarathi_lite.scheduler import (
+    Request,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+    TokenBudget,
+    make_scheduler,
+)
 from sarathi_lite.scheduler.admission import long_share
 from sarathi_lite.scheduler.plan import RequestView, fill, plan_step
 
@@ -151,7 +158,6 @@ class ContextCost:
 def largest_step(rows, target, grain=16):
     """The most tokens (whole grains) of a step giving ``rows`` ((start, most tokens), in order, a decode being
     (start, 1)) their tokens greedily whose ``ContextCost`` fits ``target``: brute force."""
-    from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
     best = 0
     for k in range(grain, 2048 + 1, grain):
         out, left = SchedulerOutput(), k

@@ -24,6 +24,8 @@ blocks last. ``plan_step`` decides, from a ``RequestView`` of each request, the 
   lose nothing by it (a share now and a share next step, or nothing now and both next step), and the short
   prompts' first token comes a step earlier; in a burst of short prompts the oldest finish first, not all of
   them a share at a time.
+  Under ``chunk_size="auto"`` the step is sized on its prompts in the order their tokens are given (the short
+  ones first where the long ones may be held), and a held step is sized again for what it holds.
 
 Stdlib only, like the whole scheduler.
 """
@@ -154,6 +156,7 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
     # under protection, the long prompts mid-prefill this step may hold out for the short prompts it protects
     holdable = protecting and not any(v.request_id in just_held for v in longs)  # never held two steps running
     seated = [*waiting_shorts, *waiting_longs] if threshold is not None else list(waiting[:seats])
+    seat_bound = len(waiting) > seats
     if config.auto_budget:
         if budget is None:
             raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
@@ -165,7 +168,7 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
             order = [*shorts, *waiting_shorts, *longs, *waiting_longs]
         else:
             order = [*prefills, *seated]
-        token_budget = _auto_budget(budget, decodes, order, len(waiting) > seats, limit)
+        token_budget = _auto_budget(budget, decodes, order, seat_bound, limit)
     else:
         token_budget = min(max(config.chunk_size, len(decodes)), limit)
     long_cap = config.long_prefill_token_threshold
@@ -192,9 +195,9 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
         # the cap cuts a short prompt: the long prompts are held out, the short ones take the budget uncapped
         held, long_cap = [v.request_id for v in longs], None
         kept = [v for v in ordered if v.request_id not in held]  # held requests keep their seats
-        if budget is not None:  # sized again for what the step now holds
+        if config.auto_budget:  # sized again for what the step now holds
             order = [*shorts, *seated]
-            token_budget = _auto_budget(budget, decodes, order, len(waiting) > seats, limit)
+            token_budget = _auto_budget(budget, decodes, order, seat_bound, limit)
         tokens = fill(kept, waiting_order, token_budget, None, config.max_running - len(held))
     predicted = None
     if budget is not None:
