@@ -307,21 +307,22 @@ def test_the_budget_keeps_a_tile_boundary_step_when_a_larger_fitting_one_moves_f
     assert budget.prefill_tokens(out, [(prompt, 4000)]) == 256 - 20
 
 
-def test_the_efficiency_passes_never_cut_a_prompt_the_largest_fitting_step_finishes() -> None:
+def test_the_efficiency_pass_never_cuts_a_prompt_the_largest_fitting_step_finishes() -> None:
     """As above, 288 tokens fit and 256 move the most tokens per second. A 260-token prompt ahead of the long one
     finishes in the 288-token step and is cut in the 256-token one (its first token a whole step later): the
-    budget keeps 288. A 200-token prompt finishes in both, and the budget takes 256 again. Seat-bound on the
-    staircase, the same: the pass's 1,024-token step would cut a 1,100-token prompt that the 1,264-token step
-    finishes."""
+    budget keeps 288. A 200-token prompt finishes in both, and the budget takes 256 again; so does a chunk of a
+    long prompt that does not finish it. Seat-bound (every seat taken: the seats' turnover sets the capacity,
+    and keeping such prompts cost the simulated seat-bound cells 0.5-0.7%), the staircase's pass still stops at
+    1,024 tokens, cutting a 1,100-token prompt that the 1,264-token step finishes."""
     budget, out, prompt = budget_beside_decodes(TiledLinearCost(), 0.0122, 20)
     for need, step_tokens in ((260, 288), (200, 256)):
         short = Request("s", [6] * need, 4)
         assert budget.prefill_tokens(out, [(short, need), (prompt, 4000)]) == step_tokens - 20
+    assert budget.prefill_tokens(out, [(prompt, 260), (Request("s", [6] * 200, 4), 200)]) == 256 - 20
     budget, out, prompt = budget_beside_decodes(StaircaseCost(), 0.0815, 64, 4096)
     short = Request("s", [6] * 1100, 4)
-    assert budget.prefill_tokens(out, [(short, 1100), (prompt, 4000)], seat_bound=True) == 1264 - 64
-    # a long prompt's chunk that does not finish it is no reason to keep the larger step
-    assert budget.prefill_tokens(out, [(prompt, 1100), (short, 1100)], seat_bound=True) == 1024 - 64
+    assert budget.prefill_tokens(out, [(short, 1100), (prompt, 4000)]) == 1264 - 64
+    assert budget.prefill_tokens(out, [(short, 1100), (prompt, 4000)], seat_bound=True) == 1024 - 64
 
 
 def test_on_an_affine_cost_the_budget_is_still_the_largest_fitting_step() -> None:

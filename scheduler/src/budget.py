@@ -64,12 +64,14 @@ at 200 was planned at 128, 30% under its target). Every whole-block step is stil
 EFFICIENCY_LOOKBACK, EFFICIENCY_GRAIN = 128, 64
 """Tokens below the largest fitting step within which ``TokenBudget.prefill_tokens`` also weighs the whole-grain
 steps of a multiple of ``EFFICIENCY_GRAIN`` tokens (GPU matmul tiles are 64 or 128 tokens), taking the one with
-the most tokens per predicted second: at most two more predictions. Neither this pass nor ``SEAT_BOUND_SHARE``'s
-takes a step that cuts a prompt the largest fitting step finishes (``finished_prefix``): that request's first token
-would wait a whole step more, for a few percent of one step's rate. On this CPU's profile a chunk's own
-attention bends the rate down by about 1% per 64 tokens, and the pass cut a burst of two short prompts (396
-tokens, 400 fitted) to 320 tokens, so the second got its first token a step (0.9 s) later (inside vLLM,
-2026-12-06)."""
+the most tokens per predicted second: at most two more predictions. This pass takes no step that cuts a prompt
+the largest fitting step finishes (``finished_prefix``): that request's first token would wait a whole step more,
+for a few percent of one step's rate. On this CPU's profile a chunk's own attention bends the rate down by about
+1% per 64 tokens, and the pass cut a burst of two short prompts (396 tokens, 400 fitted) to 320 tokens, so the
+second got its first token a step (0.9 s) later (inside vLLM, 2026-12-06). ``SEAT_BOUND_SHARE``'s pass may: with
+every seat taken the seats' turnover, not one request's first token, sets the capacity, and with the same rule
+it lost 0.5-0.7% of capacity on the seat-bound conversation cells (A100 8B, Llama-3-70B on 4 and 8 H100s,
+simulated)."""
 
 SEAT_BOUND_SHARE, SEAT_BOUND_GRAIN = 1 / 3, 128
 """With ``seat_bound`` (more requests wait than seats are free: the seats, not the prefill, decide how many
@@ -223,8 +225,8 @@ class TokenBudget:
         candidates: ``(request, most tokens its chunk may take)`` for the prompts that would take the prefill
         tokens, in the order the policy fills them. seat_bound: more requests wait than seats are free (see
         ``SEAT_BOUND_SHARE``); the step near the largest is then weighed by the prefill tokens per second it adds
-        to the decodes' own step, not by all its tokens per second. Either pass keeps every prompt the largest
-        fitting step finishes (``EFFICIENCY_LOOKBACK``).
+        to the decodes' own step, not by all its tokens per second. Without it, the pass keeps every prompt the
+        largest fitting step finishes (``EFFICIENCY_LOOKBACK``).
         """
         if not candidates:
             return 0
@@ -244,11 +246,11 @@ class TokenBudget:
         k = largest_fitting(cost, lo, hi, target, target * (1 + DIP_TOLERANCE))
         if cost(k) > target:
             return floor
-        # the efficiency passes weigh smaller steps, but none that cuts a prompt the largest step finishes
-        keep = max(lo, -(-(used + finished_prefix(candidates, k * g - used)) // g))
         if seat_bound and out.num_decode_tokens:
-            low = max(keep, k - math.ceil(k * SEAT_BOUND_SHARE))
+            low = max(lo, k - math.ceil(k * SEAT_BOUND_SHARE))
             return most_efficient(cost, low, k, target, g, SEAT_BOUND_GRAIN, self.predict(out), used) * g - used
+        # weighing all tokens per second, no smaller step that cuts a prompt the largest step finishes
+        keep = max(lo, -(-(used + finished_prefix(candidates, k * g - used)) // g))
         return most_efficient(cost, max(keep, k - -(-EFFICIENCY_LOOKBACK // g)), k, target, g) * g - used
 
     @staticmethod
