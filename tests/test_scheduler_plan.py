@@ -102,6 +102,29 @@ def test_a_short_prompt_the_cap_would_cut_finishes_in_this_step_with_the_long_pr
     assert small.held == [] and small.tokens == {"d": 1, "long": 43, "s": 20}
 
 
+def test_no_cap_cuts_a_short_prompt_where_the_long_prompt_gets_its_tokens_without_one():
+    # a long prompt's last chunk beside a short prompt: the cap max(share 10, 63 - 50) = 13 binds no long prompt,
+    # and would cut the short one to 13 tokens, or hold the long one out of a step it would have finished in
+    config = SchedulerConfig(chunk_size=64, max_num_seqs=16)  # long: above 256 tokens
+    long = RequestView("long", 990, 1000, 1000, 0)  # 10 tokens left
+    decode = RequestView("d", 30, 31, 30, 2)
+    for just_held in ((), ["long"]):
+        plan = plan_step([long, decode], [RequestView("short", 0, 50, 50, 1)], config, just_held=just_held)
+        assert plan.held == [] and plan.long_cap is None
+        assert plan.tokens == {"d": 1, "long": 10, "short": 50}
+    # a short prompt one token too long for the step: the budget, not the cap (10), cuts it; or, where the long
+    # prompt may be held, it is (the short prompt finishes now)
+    bigger = RequestView("short", 0, 54, 54, 1)
+    plan = plan_step([long, decode], [bigger], config, just_held=["long"])
+    assert plan.long_cap is None and plan.tokens == {"d": 1, "long": 10, "short": 53}
+    held = plan_step([long, decode], [bigger], config)
+    assert held.held == ["long"] and held.tokens == {"d": 1, "short": 54}
+    # a short prompt mid-prefill, filled before the long one, would take its share without the cap: the cap stays
+    running_short = RequestView("s", 20, 200, 200, 1)
+    plan = plan_step([long, running_short, decode], [], config, just_held=["long"])
+    assert plan.long_cap == 10 and plan.tokens["long"] == 10
+
+
 def test_waiting_short_prompts_are_admitted_before_an_earlier_long_one():
     config = SchedulerConfig(chunk_size=64, max_num_seqs=16)
     waiting = [RequestView("long", 0, 900, 900, 0), RequestView("s1", 0, 10, 10, 1), RequestView("s2", 0, 30, 30, 2)]

@@ -13,7 +13,8 @@ blocks last. ``plan_step`` decides, from a ``RequestView`` of each request, the 
   ``TokenBudget`` predicts fit the TBT target) and a cap on any one request's tokens in this step: under
   head-of-line protection, while a long prompt is mid-prefill beside a short one, the long prompts' share
   (``admission.long_share``, the rule ``ShortPromptProtection`` uses) or, if more, what the short prompts leave
-  of the budget, so the short prompts get the rest; otherwise the configured ``long_prefill_token_threshold``.
+  of the budget, so the short prompts get the rest (no cap where the long prompts get that much without one: it
+  would only cut short prompts); otherwise the configured ``long_prefill_token_threshold``.
   A greedy loop applies one cap to every request, so where the short prompts need more than the budget less the
   share, a short prompt longer than the share would get only the share in this step (our own scheduler gives it
   the rest of the budget). So where the cap would cut a short prompt, the long prompts mid-prefill are *held* out
@@ -184,8 +185,16 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
             # lets the most short prompts finish (the long prompt then gets as much as the longest of them), cut
             # the long prompts' progress and measured worse inside vLLM on the long-tail mix (2026-12-05, commit
             # f8d56a6: short TTFT p99 3.75 / 2.45 s, long 15.0 / 14.6 s, against 1.46 / 2.09 s and 7.3 / 9.5 s)
-            share = long_share(config, prefill_budget, sum(v.num_remaining for v in longs), config.token_budget)
+            long_need = sum(v.num_remaining for v in longs)
+            share = long_share(config, prefill_budget, long_need, config.token_budget)
             long_cap = max(share, prefill_budget - short_need, 1)
+            # the cap cuts short prompts as well: none where, without it, the long prompts still get their share
+            # (the short prompts mid-prefill, filled before them, leave it) and no more than the cap (so the short
+            # prompts behind them get the rest): a long prompt's last chunk beside a short prompt, where inside
+            # vLLM a 128-token prompt got 40 tokens of a 176-token step, and 81 were used (2026-12-06 night)
+            uncapped = fill([*decodes, *prefills], waiting_order, token_budget, None, config.max_running)
+            if min(long_need, share) <= sum(uncapped.get(v.request_id, 0) for v in longs) <= long_cap:
+                long_cap = None
             if holdable:
                 protected = (*shorts, *waiting_shorts)
     ordered = decodes + prefills
