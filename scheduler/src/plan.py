@@ -174,6 +174,8 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
         token_budget = min(max(config.chunk_size, len(decodes)), limit)
     long_cap = config.long_prefill_token_threshold
     protected: tuple[RequestView, ...] = ()
+    ordered = decodes + prefills
+    tokens: dict[str, int] | None = None  # the greedy fill, where deciding the cap already ran it
     if threshold is not None:
         long_cap = None
         if protecting:
@@ -192,13 +194,13 @@ def plan_step(running: Sequence[RequestView], waiting: Sequence[RequestView], co
             # (the short prompts mid-prefill, filled before them, leave it) and no more than the cap (so the short
             # prompts behind them get the rest): a long prompt's last chunk beside a short prompt, where inside
             # vLLM a 128-token prompt got 40 tokens of a 176-token step, and 81 were used (2026-12-06 night)
-            uncapped = fill([*decodes, *prefills], waiting_order, token_budget, None, config.max_running)
+            uncapped = fill(ordered, waiting_order, token_budget, None, config.max_running)
             if min(long_need, share) <= sum(uncapped.get(v.request_id, 0) for v in longs) <= long_cap:
-                long_cap = None
+                long_cap, tokens = None, uncapped
             if holdable:
                 protected = (*shorts, *waiting_shorts)
-    ordered = decodes + prefills
-    tokens = fill(ordered, waiting_order, token_budget, long_cap, config.max_running)
+    if tokens is None:
+        tokens = fill(ordered, waiting_order, token_budget, long_cap, config.max_running)
     held: list[str] = []
     if any(tokens.get(v.request_id, 0) < v.num_remaining for v in protected):
         # the cap cuts a short prompt: the long prompts are held out, the short ones take the budget uncapped
