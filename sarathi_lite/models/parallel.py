@@ -26,6 +26,8 @@ and ``nn.functional.linear`` otherwise.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,8 @@ from torch import nn
 
 from sarathi_lite.kernels.cpu_native import native_enabled
 from sarathi_lite.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -119,9 +123,33 @@ step of 5 (12) decodes padded to 8 (16) rows took 2-4 ms longer in bfloat16 and 
 unpadded (SmolLM2, 2026-12-06), so the small counts of online decode steps are not padded."""
 
 
+@functools.cache
+def cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs and multiplies ``dtype`` weights, decided once per process by one trial on a
+    small weight. oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises ``RuntimeError``
+    on an AVX2-only CPU; float32 packs on any x86 CPU oneDNN supports. Where it cannot, the projections keep
+    reading their plain weight through ``nn.functional.linear`` (logged once at INFO)."""
+    if dtype not in PACKED_MIN_ROWS or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        with torch.no_grad():
+            w = torch.ones(16, 16, dtype=dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+            y = torch.ops.mkldnn._linear_pointwise(torch.ones(PACKED_MIN_ROWS[dtype], 16, dtype=dtype), packed,
+                                                   None, "none", [], "")
+        ok = bool((y == 16).all())
+    except RuntimeError as e:
+        logger.info("this CPU cannot pack %s weights for oneDNN (%s): projections read their plain weight",
+                    dtype, str(e).splitlines()[0])
+        return False
+    if not ok:
+        logger.info("oneDNN's packed %s product is wrong on this CPU: projections read their plain weight", dtype)
+    return ok
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_MIN_ROWS and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return weight.device.type == "cpu" and weight.dim() == 2 and cpu_packs(weight.dtype)
 
 
 class PackedWeight(nn.Module):
