@@ -20,8 +20,9 @@ roofline is deterministic (0.9, the default).
 
 Each search uses 12 probes by default; `--fixed` replaces the fixed chunk sizes compared (e.g. steps of one block);
 `--refine` climbs from the grid's best size in steps of one KV block while the capacity rises, so the best fixed
-size is found to the block without a search at every block; `--tbt-percentile 99` runs ``auto`` aiming at P99
-TBT (the measured spread and the target controller, docs/design/scheduler.md) instead of the fixed target.
+size is found to the block without a search at every block; ``auto`` aims at P99 (the library's default;
+``--tbt-percentile none``: the fixed target), with the measured spread and the target controller
+(docs/design/scheduler.md).
 
 Prints a table and writes JSON (every capacity search, the ratios, the load average).
 """
@@ -43,6 +44,7 @@ from sarathi_lite.bench.capacity import SLO, CapacityResult
 from sarathi_lite.bench.results import BenchResult, commit, host
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
+from sarathi_lite.scheduler.config import DEFAULT_TBT_PERCENTILE
 from sarathi_lite.sim import simulator as sim
 
 FIXED = (32, 64, 128, 256, 512, 1024, 2048)
@@ -125,7 +127,7 @@ def stored_fixed(record: dict[str, Any], setup: Setup, trace: str, max_num_seqs:
 
 
 def run_setup(setup: Setup, trace: str, probes: int, fixed: tuple[int, ...] = FIXED,
-              tbt_percentile: float | None = None, refine: bool = False,
+              tbt_percentile: float | None = DEFAULT_TBT_PERCENTILE, refine: bool = False,
               max_num_seqs: int | None = None, fixed_from: dict[str, Any] | None = None) -> dict[str, Any]:
     cost = load_cost_model(setup.cost_model)
     wl = workload(setup, trace)
@@ -213,9 +215,11 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=12, help="simulations per capacity search")
     ap.add_argument("--fixed", default=",".join(map(str, FIXED)),
                     help="comma-separated fixed chunk sizes to compare with (default: the powers of two 32-2048)")
-    ap.add_argument("--tbt-percentile", type=float, default=None,
-                    help="auto's tbt_percentile (99: the budget aims at P99 TBT <= the SLO with the measured spread "
-                         "and the target controller; default: the fixed target tbt_slo x budget_safety)")
+    ap.add_argument("--tbt-percentile", type=lambda t: None if t == "none" else float(t),
+                    default=DEFAULT_TBT_PERCENTILE,
+                    help=f"auto's tbt_percentile (default {DEFAULT_TBT_PERCENTILE:g}, the library's: the budget aims "
+                         "at that percentile of TBT <= the SLO with the measured spread and the target controller; "
+                         "none: the fixed target tbt_slo x budget_safety)")
     ap.add_argument("--refine", action="store_true",
                     help="after the --fixed grid, climb from its best size in steps of one KV block (up, then "
                          "down) while the capacity rises: the best fixed size to the block")

@@ -6,11 +6,8 @@ H100 serving a Llama-3.1-8B-shaped model (128k context), chunk 2048, 1,000 reque
 Configurations, all ``sarathi``:
 
 - ``paper``: the Sarathi-Serve paper's FCFS budget filling (``hol_protection=False``), the reference;
-- ``paper+knobs``: the same with the hand-tuned knobs of the issue (4 partial prefills, threshold 1024, one long);
 - ``paper+t256``: the same with ``long_prefill_token_threshold=256`` alone (the setting that backfired);
 - ``protected``: the default (``hol_protection=True``, thresholds derived from the chunk size);
-- ``protected+cap``: protection with an explicit ``long_prefill_chunk`` of a quarter of the chunk (a TBT cap on
-  long prompts beside decodes or short prompts: the default of earlier versions);
 - ``protected+t256``: protection with the threshold of 256.
 
 Per configuration: short-request (prompt <= 600) TTFT p90/p99, long-request TTFT p50, throughput (prompt +
@@ -63,11 +60,8 @@ from sarathi_lite.sim import simulator as sim
 SHORT_MAX = 600  # prompts up to this many tokens are the "short" requests of the simulated workload
 CONFIGS: dict[str, dict[str, Any]] = {
     "paper": {"hol_protection": False},
-    "paper+knobs": {"hol_protection": False, "max_num_partial_prefills": 4, "long_prefill_token_threshold": 1024,
-                    "max_long_partial_prefills": 1},
     "paper+t256": {"hol_protection": False, "long_prefill_token_threshold": 256},
     "protected": {},
-    "protected+cap": {"long_prefill_chunk": 512},
     "protected+t256": {"long_prefill_token_threshold": 256},
 }
 ORDINARY_CHUNKS = (64, 128, 256, 512, 1024, 2048)

@@ -42,7 +42,8 @@ SYSTEMS: dict[str, tuple[str, int | str, dict[str, Any]]] = {
     "vllm_v1@512": ("vllm_v1", 512, {}),
     "sarathi@512": ("sarathi", 512, {}),
     "auto-p99": ("sarathi", "auto", {"tbt_slo": SLO, "tbt_percentile": 99.0, "max_num_batched_tokens": 2048}),
-    "auto-fixed": ("sarathi", "auto", {"tbt_slo": SLO, "budget_safety": 0.9, "max_num_batched_tokens": 2048}),
+    "auto-fixed": ("sarathi", "auto", {"tbt_slo": SLO, "budget_safety": 0.9, "tbt_percentile": None,
+                                       "max_num_batched_tokens": 2048}),
 }
 
 

@@ -45,8 +45,9 @@ class LinearCost:
 
 def auto(cost: LinearCost, policy: str = "sarathi", **kwargs: object) -> Scheduler:
     # Prefix caching off: the prompts here share their tokens, and cached ones are not prefill work to budget.
+    # A fixed target (tbt_percentile None): these tests check the budget against tbt_slo * budget_safety.
     kwargs = {"tbt_slo": 0.05, "block_size": 16, "max_num_seqs": 64, "num_blocks": 4096, "watermark": 0.0,
-              "max_model_len": 2048, "enable_prefix_caching": False, **kwargs}
+              "max_model_len": 2048, "enable_prefix_caching": False, "tbt_percentile": None, **kwargs}
     return make_scheduler(SchedulerConfig(policy=policy, chunk_size="auto", **kwargs), cost)
 
 
@@ -108,17 +109,23 @@ def test_every_step_fits_the_slo_with_the_largest_whole_block_step_and_no_decode
         assert it < 5000
         assert decoding <= {s.request_id for s in out.scheduled if not s.is_prefill}  # stall-free
         # The prefill of the largest whole-block step (decodes + prefill, as a fixed chunk size counts) that fits
-        # next to these decodes, at least the minimum chunk.
-        room, d = target - cost.decode_part(out), out.num_decode_tokens
+        # next to these decodes, at least the minimum chunk. A decode is a row of one token that ends the known
+        # tokens, a prompt's last token included (the decision's view: it needs exactly one token)
+        ones = SchedulerOutput()
+        for s in out.scheduled:
+            if s.num_new_tokens == 1 and s.sample:
+                ones.add(ScheduledRequest(s.request_id, s.num_computed_tokens, 1, [], [], True, False))
+        room, d = target - cost.decode_part(ones), ones.num_decode_tokens
+        available -= sum(1 for s in out.scheduled if s.is_prefill and s.num_new_tokens == 1 and s.sample)
         first = -(-(d + min_chunk) // bs)
         last = min(cfg.max_num_batched_tokens, d + available + bs - 1) // bs
         fits = [k * bs - d for k in range(first, last + 1) if cost.per_prefill * min(k * bs - d, available) <= room]
         expected = max([min_chunk, *fits])
         if fits and max(fits) < available:
-            assert (d + out.num_prefill_tokens) % bs == 0  # the step is whole blocks
-        assert out.num_prefill_tokens == min(expected, available)
+            assert out.num_batched_tokens % bs == 0  # the step is whole blocks
+        assert out.num_batched_tokens - d == min(expected, available)
         if available:
-            assert out.num_prefill_tokens >= min(min_chunk, available)  # prefill never starves
+            assert out.num_batched_tokens - d >= min(min_chunk, available)  # prefill never starves
         if expected > min_chunk:
             assert cost.predict_step_time(out) <= target
             fitted += 1

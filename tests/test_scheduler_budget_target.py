@@ -112,7 +112,7 @@ def test_the_budget_learns_a_noisy_machine_and_holds_its_p99_step_under_the_slo(
 
 
 def test_no_percentile_keeps_the_fixed_target() -> None:
-    config = SchedulerConfig(chunk_size="auto", tbt_slo=SLO, budget_safety=0.8)  # tbt_percentile: None
+    config = SchedulerConfig(chunk_size="auto", tbt_slo=SLO, budget_safety=0.8, tbt_percentile=None)
     budget = TokenBudget(config, LinearCost())
     assert budget.controller is None and budget.target == pytest.approx(0.8 * SLO)
     with pytest.raises(ValueError, match="tbt_percentile=100"):

@@ -1,8 +1,10 @@
 """Head-of-line protection (``SchedulerConfig.hol_protection``): short prompts are never stuck behind a long one.
 
 The property test drives workloads built to have long prompts mid-prefill while short ones arrive through the
-checking driver of ``test_scheduler_properties`` (every invariant, plus the ``HOL_ADMISSION_BOUND`` check); the
-examples below pin the mechanism and the knobs' composition, including the settings that backfired before.
+checking driver of ``test_scheduler_properties`` (every invariant, the plan against the decision function, and the
+bound: the oldest waiting short prompt is admitted in the step it is due); the examples below pin the mechanism
+(``plan.plan_step``: short prompts first, the long prompts' share as a cap, long prompts held out of a step whose
+short prompts the cap would cut).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from sarathi_lite.scheduler import HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, SchedulerConfig, make_scheduler
+from sarathi_lite.scheduler import LONG_PROMPT_CHUNKS, SchedulerConfig, make_scheduler
 from sarathi_lite.scheduler.config import AUTO_LONG_THRESHOLD
 
 from .test_scheduler_plan import PerTokenCost
@@ -23,8 +25,8 @@ from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, RequestSpec, Wo
 
 @st.composite
 def long_context_workloads(draw: st.DrawFn, policy: str) -> Workload:
-    """One to three long prompts (many chunks each) among short prompts arriving at random steps, with every
-    knob combination, random budgets and pools from tight (preemption) to ample."""
+    """One to three long prompts (many chunks each) among short prompts arriving at random steps, with random
+    thresholds, budgets and pools from tight (preemption) to ample."""
     chunk_size = draw(st.integers(2, 24))
     threshold = draw(st.none() | st.integers(1, 24))
     long_above = threshold if threshold is not None else chunk_size
@@ -44,9 +46,7 @@ def long_context_workloads(draw: st.DrawFn, policy: str) -> Workload:
     config = SchedulerConfig(
         policy=policy, chunk_size=chunk_size, max_num_seqs=draw(st.integers(2, 12)), max_model_len=max_model_len,
         block_size=block_size, num_blocks=num_blocks, watermark=draw(st.sampled_from([0.0, 0.05])),
-        max_num_partial_prefills=draw(st.none() | st.integers(1, 4)), long_prefill_token_threshold=threshold,
-        max_long_partial_prefills=draw(st.integers(1, 3)), hol_protection=True,
-        long_prefill_chunk=draw(st.none() | st.integers(1, 24)))
+        long_prefill_token_threshold=threshold, hol_protection=True)
     return Workload(config, tuple(specs))
 
 
@@ -85,8 +85,7 @@ def one_sided_workloads(draw: st.DrawFn, policy: str) -> Workload:
     config = SchedulerConfig(
         policy=policy, chunk_size=chunk_size, max_num_seqs=draw(st.integers(1, 10)), max_model_len=max_model_len,
         block_size=block_size, num_blocks=draw(st.integers(max(needs), max(needs) + sum(needs))),
-        watermark=draw(st.sampled_from([0.0, 0.05])), max_num_partial_prefills=draw(st.none() | st.integers(1, 3)),
-        max_long_partial_prefills=draw(st.integers(1, 3)), enable_prefix_caching=draw(st.booleans()),
+        watermark=draw(st.sampled_from([0.0, 0.05])), enable_prefix_caching=draw(st.booleans()),
         hol_protection=True)
     return Workload(config, tuple(specs))
 
@@ -130,7 +129,8 @@ def test_protection_changes_no_batch_when_no_prompt_crosses_the_threshold(policy
 def long_with_short_arrivals(**options: object) -> list[int]:
     """A 400-token prompt mid-prefill (chunk 64) while eight shorts of 10-52 tokens arrive, one every third
     step; returns how many steps each short waited before its first chunk ran."""
-    sched = make("sarathi", chunk_size=64, max_num_seqs=16, max_model_len=512, **options)
+    options = {"max_num_seqs": 16, **options}
+    sched = make("sarathi", chunk_size=64, max_model_len=512, **options)
     sched.add(req("long", 400, max_tokens=4))
     waits, arrived = {}, {}
     for i in range(40):
@@ -148,37 +148,28 @@ def long_with_short_arrivals(**options: object) -> list[int]:
 def test_short_prompts_are_admitted_at_once_beside_a_long_prefill() -> None:
     paper = long_with_short_arrivals()
     assert max(paper) >= 3, "the paper's FCFS policy keeps short prompts behind the long prompt"
-    assert long_with_short_arrivals(hol_protection=True) == [HOL_ADMISSION_BOUND - 1] * 8
+    assert long_with_short_arrivals(hol_protection=True) == [0] * 8, "each admitted in the step it arrives"
 
 
-@pytest.mark.parametrize("knobs", [
-    {"long_prefill_token_threshold": 16},  # the setting that backfired: shorts above it were held back
-    {"max_num_partial_prefills": 1},  # one slot, held by the long prompt
-    {"max_num_partial_prefills": 2, "max_long_partial_prefills": 3},
-    {"long_prefill_token_threshold": 32, "max_num_partial_prefills": 4, "max_long_partial_prefills": 1},
-    {"long_prefill_chunk": 1},
+@pytest.mark.parametrize("options", [
+    {"long_prefill_token_threshold": 16},  # shorts above it are long too, and wait behind the long prompt
+    {"long_prefill_token_threshold": 60},
+    {"max_num_seqs": 3},  # seats run out: shorts wait for seats, not for the long prompt
 ])
-def test_every_knob_combination_keeps_short_prompts_moving(knobs: dict[str, int]) -> None:
-    protected = long_with_short_arrivals(hol_protection=True, **knobs)
-    paper = long_with_short_arrivals(**knobs)
-    threshold = SchedulerConfig(chunk_size=64, hol_protection=True, **knobs).long_threshold
+def test_short_prompts_keep_moving_whatever_the_options(options: dict[str, int]) -> None:
+    protected = long_with_short_arrivals(hol_protection=True, **options)
+    paper = long_with_short_arrivals(**options)
+    threshold = SchedulerConfig(chunk_size=64, hol_protection=True, **options).long_threshold
     lengths = [10 + 6 * i for i in range(8)]
-    assert all(w == 0 for w, n in zip(protected, lengths) if n <= threshold), protected
+    if "max_num_seqs" not in options:
+        assert all(w == 0 for w, n in zip(protected, lengths) if n <= threshold), protected
     if any(w > 0 for w, n in zip(paper, lengths) if n <= threshold):  # the paper's policy blocked a short one
         assert sum(protected) < sum(paper), (protected, paper)
 
 
-def test_prompt_above_threshold_that_fits_runs_whole_instead_of_waiting_for_the_long_slot() -> None:
-    sched = make("sarathi", chunk_size=64, hol_protection=True, long_prefill_token_threshold=16)
-    sched.add(req("long", 300))
-    step(sched)
-    sched.add(req("medium", 40))  # long by the threshold, but its whole prefill fits beside the long prompt
-    assert batch(step(sched)) == {"medium": (P, 40), "long": (P, 24)}, "the long prompt takes what is left"
-
-
 def test_long_prompt_takes_what_short_prompts_leave_and_is_not_throttled_beside_decodes() -> None:
     sched = make("sarathi", chunk_size=64, hol_protection=True)
-    assert sched.config.long_threshold == 4 * 64 and sched.config.long_chunk == 16
+    assert sched.config.long_threshold == 4 * 64
     sched.add(req("long", 300, max_tokens=2))
     assert batch(step(sched)) == {"long": (P, 64)}, "alone, a long prompt is not throttled"
     sched.add(req("short", 10, max_tokens=20))
@@ -186,24 +177,19 @@ def test_long_prompt_takes_what_short_prompts_leave_and_is_not_throttled_beside_
     assert batch(step(sched)) == {"short": (D, 1), "long": (P, 63)}, "beside decodes, the whole budget"
 
 
-def test_explicit_long_prefill_chunk_caps_long_prompts_beside_decodes_and_short_prompts() -> None:
-    sched = make("sarathi", chunk_size=64, hol_protection=True, long_prefill_chunk=16)
-    sched.add(req("long", 300, max_tokens=2))
-    assert batch(step(sched)) == {"long": (P, 64)}, "alone, a long prompt is not throttled"
-    sched.add(req("short", 10, max_tokens=20))
-    assert batch(step(sched)) == {"short": (P, 10), "long": (P, 16)}
-    assert batch(step(sched)) == {"short": (D, 1), "long": (P, 16)}, "beside decodes, long_prefill_chunk tokens"
-
-
 def test_long_prompts_keep_their_share_when_short_prompts_fill_the_budget() -> None:
-    sched = make("sarathi", chunk_size=64, max_num_seqs=32, hol_protection=True, long_prefill_chunk=24)
+    # a quarter of the 64-token chunk (long_share) is the long prompt's cap beside short prompts that need more
+    # than the rest; where they all fit beside it, the long prompt sits the step out instead (never twice running)
+    sched = make("sarathi", chunk_size=64, max_num_seqs=32, hol_protection=True)
     sched.add(req("long", 300))
     step(sched)
     for i in range(6):
         sched.add(req(f"s{i}", 60))
     out = step(sched)
-    assert batch(out)["long"] == (P, 24) and out.num_batched_tokens == 64
-    assert batch(out)["s0"] == (P, 40)
+    assert sched.last_plan.held == ["long"] and batch(out) == {"s0": (P, 60), "s1": (P, 4)}
+    out = step(sched)  # not held again: it keeps its share, the short prompts the rest
+    assert sched.last_plan.held == [] and sched.last_plan.long_cap == 16
+    assert batch(out)["long"] == (P, 16) and out.num_batched_tokens == 64
 
 
 def test_protection_changes_nothing_for_unchunked_policies() -> None:
@@ -213,29 +199,11 @@ def test_protection_changes_nothing_for_unchunked_policies() -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"hol_protection": 1}, r"hol_protection=1 must be True or False"),
-    ({"long_prefill_chunk": 0}, r"long_prefill_chunk=0 "),
+    ({"long_prefill_token_threshold": 0}, r"long_prefill_token_threshold=0 "),
 ])
 def test_bad_protection_settings_raise(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(**kwargs)
-
-
-def test_under_auto_long_prompts_keep_a_quarter_of_the_step_not_half() -> None:
-    # 0.01 + 1e-4 * tokens <= 0.06 s: 496 tokens a step (whole 16-token blocks), far below the 2,048 cap
-    config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16,
-                             max_num_batched_tokens=2048, max_num_seqs=32, watermark=0.0, hol_protection=True,
-                             enable_prefix_caching=False)
-    sched = make_scheduler(config, PerTokenCost())
-    sched.add(req("long", 3000))  # long under "auto": above min(2,048, max_num_batched_tokens)
-    assert batch(step(sched)) == {"long": (P, 496)}, "alone, the long prompt takes the whole step"
-    sched.add(req("short", 300))  # more than half the step's prefill, less than three quarters
-    out = step(sched)
-    # the long prompt keeps a quarter of this step (as a fixed chunk size keeps a quarter of its chunk), not
-    # half of it: the short prompt finishes its prefill in this step instead of the next
-    assert batch(out) == {"short": (P, 300), "long": (P, 196)}
-    for i in range(3):  # short prompts that fill the step (one decode, 495 prefill): the long keeps its quarter
-        sched.add(req(f"s{i}", 250))
-    assert batch(step(sched))["long"] == (P, 496 // 4)
 
 
 def test_under_auto_a_prompt_is_long_above_2048_tokens_whatever_the_cap() -> None:

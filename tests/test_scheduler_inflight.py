@@ -29,7 +29,7 @@ from sarathi_lite.scheduler import (
     make_scheduler,
 )
 
-from .test_scheduler_policies import P, batch, make, req, step
+from .test_scheduler_policies import D, P, batch, make, req, step
 from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, Workload, workloads
 
 
@@ -253,35 +253,41 @@ def test_kv_cache_manager_hold_and_release_count_references() -> None:
 
 
 def test_policy_registry_derives_the_lists_and_rejects_a_duplicate_name() -> None:
-    from sarathi_lite.scheduler import CHUNKED_POLICIES, SarathiScheduler, policy_class, register_policy
+    from sarathi_lite.scheduler import CHUNKED_POLICIES, policy_class, register_policy
+    from sarathi_lite.scheduler.plan import Sarathi
 
     assert set(CHUNKED_POLICIES) == {p for p in POLICIES if policy_class(p).chunked}
-    assert policy_class("sarathi") is SarathiScheduler
+    assert policy_class("sarathi") is Sarathi
     with pytest.raises(ValueError, match="policy 'sarathi' is already registered"):
-        register_policy(type("Other", (SarathiScheduler,), {}))
+        register_policy(type("Other", (Sarathi,), {}))
     with pytest.raises(ValueError, match="policy='nope' is not one of sarathi"):
         SchedulerConfig(policy="nope")
 
 
 def test_a_new_policy_is_one_class_and_one_registration() -> None:
-    from sarathi_lite.scheduler import Scheduler, SchedulerOutput, policy_names, register_policy, registry
+    from sarathi_lite.scheduler import Policy, StepPlan, policy_names, register_policy, registry
 
     @register_policy
-    class DecodeFirstOnly(Scheduler):
-        """Decodes, then at most one waiting prompt admitted whole."""
+    class DecodeFirstOnly(Policy):
+        """Decodes, or, with none to run, the first waiting prompt admitted whole."""
 
-        policy = "test_decode_first"
+        name = "test_decode_first"
         chunked = False
 
-        def compose(self, out: SchedulerOutput) -> None:
-            self.schedule_decodes(out)
-            if not out.scheduled:
-                self.admit(self.config.max_num_batched_tokens, out)
+        def decide(self, running, waiting, num_other_running=0):
+            ids = [v.request_id for v in running]
+            if running:
+                return StepPlan(ids, [], len(running))
+            return StepPlan([], [v.request_id for v in waiting][:1], self.config.max_num_batched_tokens,
+                            whole_prompts=True)
 
     try:
         assert "test_decode_first" in policy_names()
         sched = make_scheduler(SchedulerConfig(policy="test_decode_first", num_blocks=64))
         sched.add(req("a", 5, max_tokens=2))
+        sched.add(req("b", 3, max_tokens=2))
         assert batch(step(sched)) == {"a": (P, 5)}
+        assert batch(step(sched)) == {"a": (D, 1)}
+        assert batch(step(sched)) == {"b": (P, 3)}
     finally:
         del registry._REGISTRY["test_decode_first"]

@@ -15,8 +15,7 @@ from sarathi_lite.scheduler import (
     TokenBudget,
     make_scheduler,
 )
-from sarathi_lite.scheduler.admission import long_share
-from sarathi_lite.scheduler.plan import RequestView, fill, plan_step
+from sarathi_lite.scheduler.plan import RequestView, fill, long_share, plan_step
 
 
 def view(req: Request) -> RequestView:
@@ -64,7 +63,7 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     short = RequestView("short", 0, 20, 20, 1)
     decode = RequestView("d", 30, 31, 30, 2)
     plan = plan_step([long, decode], [short], config)
-    assert long_share(config, 63, 936, 64) == config.long_chunk == 16  # 63 prefill tokens of a 64-token step
+    assert long_share(config, 63, 936) == 16  # a quarter of the 64-token chunk (63 prefill tokens beside a decode)
     # the long prompt gets what the short one leaves (as ShortPromptProtection gives it), more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
     # short prompts that need more than the budget less the share: the long prompts are held to their share
@@ -112,17 +111,21 @@ def test_no_cap_cuts_a_short_prompt_where_the_long_prompt_gets_its_tokens_withou
         plan = plan_step([long, decode], [RequestView("short", 0, 50, 50, 1)], config, just_held=just_held)
         assert plan.held == [] and plan.long_cap is None
         assert plan.tokens == {"d": 1, "long": 10, "short": 50}
-    # a short prompt one token too long for the step: the budget, not the cap (10), cuts it; or, where the long
-    # prompt may be held, it is (the short prompt finishes now)
+    # a prompt that finishes in this step is long no more: beside a short prompt one token too long for the step
+    # it is neither capped nor held (it finishes now, the short prompt takes the rest and finishes next step)
     bigger = RequestView("short", 0, 54, 54, 1)
-    plan = plan_step([long, decode], [bigger], config, just_held=["long"])
-    assert plan.long_cap is None and plan.tokens == {"d": 1, "long": 10, "short": 53}
-    held = plan_step([long, decode], [bigger], config)
-    assert held.held == ["long"] and held.tokens == {"d": 1, "short": 54}
-    # a short prompt mid-prefill, filled before the long one, would take its share without the cap: the cap stays
+    for just_held in ((), ["long"]):
+        plan = plan_step([long, decode], [bigger], config, just_held=just_held)
+        assert plan.held == [] and plan.long_cap is None
+        assert plan.tokens == {"d": 1, "long": 10, "short": 53}
+    # still long with more than a step's prefill left, beside a short prompt mid-prefill that would take its share
+    # without a cap: in the step after it was held the long prompt keeps its share (16) as the one cap, which cuts
+    # the short prompt too (the price of one cap for every request, paid one step in two)
+    longer = RequestView("long", 900, 1000, 1000, 0)
     running_short = RequestView("s", 20, 200, 200, 1)
-    plan = plan_step([long, running_short, decode], [], config, just_held=["long"])
-    assert plan.long_cap == 10 and plan.tokens["long"] == 10
+    plan = plan_step([longer, running_short, decode], [], config, just_held=["long"])
+    assert plan.long_cap == 16 and plan.tokens == {"d": 1, "s": 16, "long": 16}
+    assert plan_step([longer, running_short, decode], [], config).held == ["long"]
 
 
 def test_waiting_short_prompts_are_admitted_before_an_earlier_long_one():

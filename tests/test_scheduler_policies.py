@@ -206,56 +206,35 @@ def test_preemption_victim_is_most_recent_arrival_and_returns_to_front(policy: s
     assert (recompute.num_computed_tokens, recompute.token_ids, recompute.is_prefill) == (0, [100, 101, TOKEN], True)
 
 
-def test_preemption_victim_is_latest_arrival_not_latest_admission() -> None:
-    # "held" arrives before "short" but is admitted after it (long prompts are held back one at a time), so
-    # running keeps arrival order and "short" remains the victim.
-    sched = make("sarathi", chunk_size=8, block_size=4, num_blocks=5, max_model_len=32,
+def test_preemption_victim_is_the_last_request_of_the_steps_fill_order() -> None:
+    # The victim is the last request of the plan's fill order, as in vLLM's loop: decodes come before prompts
+    # mid-prefill, so x (a prompt mid-prefill that arrived first) makes room for d's decode, and returns to wait
+    sched = make("sarathi", chunk_size=6, block_size=2, num_blocks=16, max_model_len=32,
                  long_prefill_token_threshold=4)
-    sched.add(req("long", 8, max_tokens=1))
-    sched.add(req("held", 8, max_tokens=8))
-    sched.add(req("short", 4, max_tokens=8))
-    assert batch(step(sched)) == {"long": (P, 4), "short": (P, 4)}
-    assert batch(step(sched)) == {"long": (P, 4), "short": (D, 1)}
-    assert batch(step(sched)) == {"short": (D, 1), "held": (P, 4)}
-    assert [r.request_id for r in sched.running] == ["held", "short"]
-    while not (out := step(sched)).preempted_ids:
-        assert "short" in sched.requests and "held" in sched.requests
-    assert out.preempted_ids == ["short"]
+    sched.add(req("x", 30, max_tokens=2))
+    sched.add(req("d", 2, max_tokens=4))
+    assert batch(step(sched)) == {"x": (P, 4), "d": (P, 2)} and sched.block_manager.num_free_blocks == 0
+    out = step(sched)
+    assert sched.last_plan.running == ["d", "x"]
+    assert out.preempted_ids == ["x"] and batch(out) == {"d": (D, 1)}
+    assert [r.request_id for r in sched.waiting] == ["x"] and sched.requests["x"].num_computed_tokens == 0
 
 
 # ---------------------------------------------------------------------------------------------- admission limits
 
 
-def test_long_prefill_threshold_lets_short_prompts_run_beside_long_one() -> None:
-    def first_batch(**limits: int) -> dict[str, tuple[str, int]]:
-        sched = make("sarathi", chunk_size=16, **limits)
+def test_long_prefill_threshold_caps_every_chunk_without_protection_and_orders_short_first_with_it() -> None:
+    def first_batch(**options: object) -> dict[str, tuple[str, int]]:
+        sched = make("sarathi", chunk_size=16, **options)
         for rid, n in (("long1", 40), ("long2", 40), ("short", 4)):
             sched.add(req(rid, n))
         return batch(step(sched))
 
     assert first_batch() == {"long1": (P, 16)}, "without a threshold the short prompt waits behind the long one"
-    assert first_batch(long_prefill_token_threshold=8) == {"long1": (P, 8), "short": (P, 4)}
-    assert first_batch(long_prefill_token_threshold=8, max_long_partial_prefills=2) == {
-        "long1": (P, 8), "long2": (P, 8)}
-    assert first_batch(long_prefill_token_threshold=8, max_num_partial_prefills=1) == {"long1": (P, 8)}
-
-
-def test_long_prompt_held_back_is_admitted_once_the_long_slot_frees() -> None:
-    sched = make("sarathi", chunk_size=16, long_prefill_token_threshold=8)
-    sched.add(req("long1", 16, max_tokens=4))
-    sched.add(req("long2", 16, max_tokens=4))
-    assert batch(step(sched)) == {"long1": (P, 8)}
-    # long1 ends its prompt in this step, but still counts as a long prefill while the step is composed.
-    assert batch(step(sched)) == {"long1": (P, 8)}
-    assert batch(step(sched)) == {"long1": (D, 1), "long2": (P, 8)}
-
-
-def test_max_num_partial_prefills_caps_prompts_in_progress() -> None:
-    sched = make("sarathi", chunk_size=16, max_num_partial_prefills=2)
-    for rid in ("a", "b", "c"):
-        sched.add(req(rid, 4))
-    assert batch(step(sched)) == {"a": (P, 4), "b": (P, 4)}
-    assert batch(step(sched)) == {"a": (D, 1), "b": (D, 1), "c": (P, 4)}
+    # vLLM's rule: no request takes more than the threshold in a step
+    assert first_batch(long_prefill_token_threshold=8) == {"long1": (P, 8), "long2": (P, 8)}
+    # head-of-line protection: above the threshold a prompt is long, and short prompts go first
+    assert first_batch(long_prefill_token_threshold=8, hol_protection=True) == {"short": (P, 4), "long1": (P, 12)}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -389,10 +368,8 @@ def test_request_id_can_be_reused_once_finished() -> None:
     ({"max_num_seqs": 0}, r"max_num_seqs=0 "),
     ({"max_model_len": "4096"}, r"max_model_len='4096' "),
     ({"block_size": 0}, r"block_size=0 "),
-    ({"max_long_partial_prefills": 0}, r"max_long_partial_prefills=0 "),
     ({"max_num_batched_tokens": 0}, r"max_num_batched_tokens=0 "),
     ({"num_blocks": 0}, r"num_blocks=0 "),
-    ({"max_num_partial_prefills": -1}, r"max_num_partial_prefills=-1 "),
     ({"long_prefill_token_threshold": 0}, r"long_prefill_token_threshold=0 "),
     ({"watermark": 1.0}, r"watermark=1\.0 must be in \[0, 1\)"),
     ({"watermark": -0.01}, r"watermark=-0\.01 "),

@@ -3,9 +3,12 @@
 A small pure-Python driver plays engine: it adds requests between steps, aborts some (waiting, running, and
 between ``schedule()`` and ``update()``), and stands in for the model with a fake one whose sampled token is a
 fixed function of the request id and the output index, so stop tokens fire and a preempted request must
-reproduce exactly the outputs it would have had without preemption. After every step the driver checks the
-batch (token budget, stall-freedom, rows against the requests' tokens and block tables, FCFS admission) and the
-scheduler's state (block accounting, queues, limits); at the end, every request's outputs and finish reason
+reproduce exactly the outputs it would have had without preemption. Before every step the driver asks a
+policy of its own for the step, from ``RequestView`` copies of the requests (the one decision, as any host calls
+it), and checks that the scheduler decided the same and applied it as a plain greedy host does (``plan.fill``)
+wherever the KV pool did not run short. After every step it checks the batch (token budget, stall-freedom, rows
+against the requests' tokens and block tables, admission order) and the scheduler's state (block accounting,
+queues, limits); at the end, every request's outputs and finish reason
 against what the fake model says they must be, and that the KV pool is whole again.
 
 With prefix caching on, prompts share prefixes (a few families of common starts), and the driver also plays
@@ -29,13 +32,16 @@ from hypothesis import strategies as st
 
 from sarathi_lite.scheduler import (
     CHUNKED_POLICIES,
-    HOL_ADMISSION_BOUND,
     POLICIES,
     Request,
     RequestStatus,
+    RequestView,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    StepPlan,
+    fill,
+    make_policy,
     make_scheduler,
 )
 
@@ -132,13 +138,8 @@ def workloads(draw: st.DrawFn, policy: str, prefix_caching: bool = False) -> Wor
                                 st.integers(max(needs), max(max(needs), sum(needs)) + 1)))
     long_prefill = {}
     if draw(st.booleans()):
-        long_prefill = {
-            "long_prefill_token_threshold": draw(st.integers(1, 32)),
-            "max_long_partial_prefills": draw(st.integers(1, 3)),
-        }
+        long_prefill = {"long_prefill_token_threshold": draw(st.integers(1, 32))}
     long_prefill["hol_protection"] = draw(st.booleans())
-    if long_prefill["hol_protection"]:
-        long_prefill["long_prefill_chunk"] = draw(st.none() | st.integers(1, 16))
     max_num_batched_tokens = None
     if policy not in CHUNKED_POLICIES:
         max_num_batched_tokens = draw(st.none() | st.integers(max_model_len, 2 * max_model_len + 8))
@@ -151,7 +152,6 @@ def workloads(draw: st.DrawFn, policy: str, prefix_caching: bool = False) -> Wor
         block_size=block_size,
         num_blocks=num_blocks,
         watermark=draw(st.sampled_from([0.0, 0.01, 0.1, 0.25])),
-        max_num_partial_prefills=draw(st.none() | st.integers(1, 3)),
         enable_prefix_caching=prefix_caching,
         **long_prefill,
     )
@@ -176,6 +176,7 @@ class Trace:
     cached_tokens: int = 0  # prefill tokens found in the prefix cache at admissions
     computed_prefill_tokens: int = 0  # prefill tokens scheduled (computed)
     hol_checks: int = 0  # steps at which the head-of-line bound was checked (and held)
+    greedy_checks: int = 0  # steps whose token counts were checked against the plain greedy fill of the plan
 
 
 class Driver:
@@ -185,6 +186,7 @@ class Driver:
         self.workload = workload
         self.config = workload.config
         self.sched: Scheduler = make_scheduler(workload.config)
+        self.policy = make_policy(workload.config)  # the decision as another host calls it, on copies
         self.max_steps = max_steps
         self.trace = Trace()
         self.seq: dict[str, int] = {}
@@ -239,14 +241,21 @@ class Driver:
         mid_prefill = [r.request_id for r in sched.running if r.is_prefill]
         was_running = {r.request_id for r in sched.running}
         protected = self.hol_protected_short()
+        views = {r.request_id: RequestView(r.request_id, r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens,
+                                           r.seq) for r in (*sched.running, *sched.waiting)}
+        plan = self.policy.decide([views[r.request_id] for r in sched.running],
+                                  [views[r.request_id] for r in sched.waiting])
+        num_running = len(sched.running)
         out = sched.schedule()
+        self.policy.stepped(out.num_prefills > 0)
+        assert sched.last_plan == plan, "the scheduler decided otherwise than the decision function on its views"
+        self.check_greedy(out, plan, views, num_running)
         self.check_output(out, decoding, mid_prefill, was_running)
         self.write_kv(out)
         if protected is not None and not out.preempted_ids:
             assert protected in {s.request_id for s in out.scheduled}, (
                 f"short prompt {protected} was kept waiting although it was the oldest short one, no other short "
-                f"prompt was mid-prefill and a seat and blocks were free (HOL_ADMISSION_BOUND="
-                f"{HOL_ADMISSION_BOUND})")
+                f"prompt was mid-prefill and a seat and blocks were free")
             self.trace.hol_checks += 1
         sampled = {s.request_id: fake_token(s.request_id, len(sched.requests[s.request_id].output_token_ids))
                    for s in out.scheduled if s.sample}
@@ -268,11 +277,18 @@ class Driver:
         if not cfg.protects_short_prompts:
             return None
         threshold = cfg.long_threshold
-        mid = [r for r in sched.running if r.is_prefill]
-        if not any(r.num_prefill_tokens > threshold for r in mid) or any(
-                r.num_prefill_tokens <= threshold for r in mid):
+        # long as the decision judges it: above the threshold and needing more than this step's prefill
+        step_prefill = cfg.token_budget  # simple_chunking's prefill steps hold no decode
+        if cfg.policy != "simple_chunking":
+            step_prefill -= sum(1 for r in sched.running if r.is_decode)
+
+        def long(r: Request) -> bool:
+            return r.num_prompt_tokens > threshold and r.num_remaining > step_prefill
+
+        mid = [r for r in sched.running if not r.is_decode]
+        if not any(long(r) for r in mid) or any(not long(r) for r in mid):
             return None
-        short = next((r for r in sched.waiting if r.num_prefill_tokens <= threshold), None)
+        short = next((r for r in sched.waiting if not long(r)), None)
         if short is None or len(sched.running) >= cfg.max_running:
             return None
         if cfg.policy == "simple_chunking" and self._last_had_prefill and len(mid) < len(sched.running):
@@ -284,6 +300,37 @@ class Driver:
         return short.request_id if free >= blocks_for(short.num_prefill_tokens, bs) else None
 
     # ------------------------------------------------------------------------------------------ checks
+
+    def check_greedy(self, out: SchedulerOutput, plan: StepPlan, views: dict[str, RequestView],
+                     num_running: int) -> None:
+        """The step is the plan applied by a plain greedy host (``plan`` module docstring): of the plan's fallback
+        chain, the plan the rows come from; its running requests (less the held ones) each given ``min(need,
+        long_cap, budget left)`` in order, then a prefix of its waiting ones the same way (each admission's need
+        less its prefix-cache hit), no more than the seats. Checked wherever no request was preempted."""
+        got = {s.request_id: s.num_new_tokens for s in out.scheduled}
+        if out.preempted_ids or not got:
+            return
+        chain = [plan]
+        while chain[-1].fallback is not None:
+            chain.append(chain[-1].fallback)
+        step = next(p for p in chain if all(i in p.waiting or i in p.running and i not in p.held for i in got))
+        held = set(step.held)
+        running = [views[i] for i in step.running if i not in held]
+        expected = fill(running, [], step.token_budget, step.long_cap)
+        assert {i: n for i, n in got.items() if i not in step.waiting} == expected, \
+            f"running rows {got} are not the plan's greedy fill {expected}"
+        admitted = [i for i in step.waiting if i in got]
+        assert admitted == step.waiting[:len(admitted)], "admissions are not a prefix of the plan's waiting order"
+        assert len(admitted) <= max(self.config.max_running - num_running, 0), "admitted more than the seats"
+        left = step.token_budget - sum(expected.values())
+        for i in admitted:
+            want = min(views[i].num_remaining, step.long_cap or left, left)
+            assert got[i] == want or self.config.enable_prefix_caching and 0 < got[i] < want, \
+                f"{i} admitted with {got[i]} tokens, the greedy fill gives {want}"
+            if step.whole_prompts:
+                assert got[i] <= left
+            left -= got[i]
+        self.trace.greedy_checks += 1
 
     def check_output(self, out: SchedulerOutput, decoding: list[str], mid_prefill: list[str],
                      was_running: set[str]) -> None:
@@ -313,19 +360,6 @@ class Driver:
         threshold = cfg.long_threshold
         chunked = cfg.policy in CHUNKED_POLICIES
         protected = cfg.protects_short_prompts
-        # Under HOL protection with an explicit long_prefill_chunk, long prompts still mid-prefill after this step
-        # get at most that many tokens in a batch shared with decodes or short prompts (which run first); a long
-        # prompt's chunk may stop short of the budget only once the long prompts' rows hold that many tokens.
-        # Without one, long prompts take whatever the short prompts leave: nothing is cut short of the budget.
-        capped = protected and cfg.long_prefill_chunk is not None
-        long_rows = [s for s in rows if s.is_prefill and capped
-                     and sched.requests[s.request_id].num_prefill_tokens > threshold]
-        if capped and any(not s.is_prefill or sched.requests[s.request_id].num_prefill_tokens <= threshold
-                          for s in rows):
-            unfinished = sum(s.num_new_tokens for s in long_rows if s.num_computed_tokens + s.num_new_tokens
-                             < sched.requests[s.request_id].num_prefill_tokens)
-            assert unfinished <= cfg.long_chunk, "long prompts took more than long_chunk beside decodes or short ones"
-        long_lane_full = capped and sum(s.num_new_tokens for s in long_rows) >= cfg.long_chunk
         first_now: list[str] = []
         for s in rows:
             req = sched.requests[s.request_id]
@@ -347,9 +381,6 @@ class Driver:
                 if chunked:
                     cap = threshold if long and not protected else remaining
                     assert s.num_new_tokens <= cap, "a long prompt's chunk exceeds long_prefill_token_threshold"
-                    if s.num_new_tokens < min(remaining, cap):
-                        assert out.num_batched_tokens >= cfg.chunk_size or (long and long_lane_full), \
-                            "a chunk was cut short of the budget"
                 else:
                     assert s.num_computed_tokens == req.num_committed_blocks * cfg.block_size
                     assert s.num_new_tokens == remaining, "an unchunked prompt split"
@@ -386,19 +417,6 @@ class Driver:
             missing = [rid for rid in still_decoding if rid not in scheduled]
             assert not missing, f"decodes {missing} stalled"
 
-        # Prompts in progress (started earlier, or admitted now) stay within the partial-prefill limits; under
-        # HOL protection one slot is always a short prompt's, even beside a long prompt holding the only one.
-        if chunked:
-            in_progress = [sched.requests[rid] for rid in mid_prefill if rid not in preempted]
-            num_long_before = sum(r.num_prefill_tokens > threshold for r in in_progress) if protected else 0
-            in_progress += [sched.requests[s.request_id] for s in prefill_rows
-                            if s.request_id not in mid_prefill or s.request_id in preempted]
-            limit = cfg.max_num_partial_prefills or cfg.max_num_seqs
-            assert len(in_progress) <= max(limit, num_long_before + 1), "too many partial prefills"
-            if threshold is not None and not protected:
-                num_long = sum(r.num_prefill_tokens > threshold for r in in_progress)
-                assert num_long <= cfg.max_long_partial_prefills, "too many long partial prefills"
-
         budget = cfg.token_budget
         policy = cfg.policy
         if policy == "sarathi":
@@ -408,14 +426,15 @@ class Driver:
             if prefill_rows:
                 assert set(still_decoding) <= scheduled, "a decode stalled beside a prefill chunk"
             left_out = [rid for rid in mid_prefill if rid not in scheduled and rid not in preempted]
-            if left_out and not long_lane_full:
-                assert out.num_batched_tokens >= budget, f"started prompts {left_out} left out with budget to spare"
-            if left_out and long_lane_full:
-                assert all(sched.requests[rid].num_prefill_tokens > threshold for rid in left_out), \
-                    f"short prompts {left_out} left out with budget to spare"
+            if left_out and out.num_batched_tokens < budget:  # only long prompts sit a step out for short ones
+                held = sched.last_plan.held
+                assert protected and set(left_out) <= set(held), f"prompts {left_out} left out with budget to spare"
+                assert all(sched.requests[rid].num_prompt_tokens > threshold for rid in left_out)
         elif policy == "simple_chunking":
             assert out.num_batched_tokens <= budget
-            if prefill_rows:
+            # a prompt's last token is a decode to the decision (it needs exactly one token), so a decode-only
+            # step may end a prompt; every other prefill row never shares a step with a decode
+            if any(s.num_new_tokens > 1 or not s.sample for s in prefill_rows):
                 assert not decode_rows
                 assert not (self._last_had_prefill and still_decoding), "two prefill iterations in a row"
         else:
@@ -509,26 +528,13 @@ class Driver:
         for r in sched.waiting:
             assert r.status is RequestStatus.WAITING and r.block_ids == [] and r.num_computed_tokens == 0
             assert r.num_prefill_tokens == r.num_tokens
-        threshold = cfg.long_threshold
-        num_partial = num_long = 0
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
             assert len(r.block_ids) == blocks_for(max(r.num_computed_tokens, r.num_prefill_tokens), cfg.block_size)
-            if r.is_prefill:
-                num_partial += 1
-                num_long += threshold is not None and r.num_prefill_tokens > threshold
-            else:
+            if not r.is_prefill:
                 assert r.num_computed_tokens == r.num_tokens - 1
-        if cfg.policy in CHUNKED_POLICIES:
-            limit = cfg.max_num_partial_prefills or cfg.max_num_seqs
-            if cfg.protects_short_prompts:
-                assert num_partial <= max(limit, num_long + 1), "too many partial prefills"
-                assert num_long <= min(cfg.max_long_partial_prefills, max(limit - 1, 1)), "too many long prefills"
-            else:
-                assert num_partial <= limit
-                assert num_long <= cfg.max_long_partial_prefills or threshold is None
-        else:
-            assert num_partial == 0, "an unchunked policy left a prompt half-prefilled"
+        if cfg.policy not in CHUNKED_POLICIES:
+            assert not any(r.is_prefill for r in sched.running), "an unchunked policy left a prompt half-prefilled"
         for r in sched.requests.values():
             assert len(r.output_token_ids) < r.max_tokens
             assert not r.output_token_ids or r.num_tokens < cfg.max_model_len

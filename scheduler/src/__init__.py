@@ -11,23 +11,14 @@ Pure Python (stdlib only, never torch), so a serving framework or a simulator ca
         sched.update(out, sampled)
 """
 
-from .admission import ShortPromptProtection
-from .base import Scheduler
+from .base import Scheduler, make_scheduler
 from .block_manager import BlockManager, block_key
 from .budget import StepTimePredictor, TokenBudget
-from .config import HOL_ADMISSION_BOUND, LONG_PROMPT_CHUNKS, SchedulerConfig
+from .config import LONG_PROMPT_CHUNKS, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVConnectorScheduler, KVLoad, KVSave
 from .output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
-from .policies import (
-    OrcaScheduler,
-    RequestLevelScheduler,
-    SarathiScheduler,
-    SimpleChunkingScheduler,
-    VLLMScheduler,
-    VLLMV1Scheduler,
-    make_scheduler,
-)
+from .plan import Policy, RequestView, StepPlan, fill, make_policy, plan_step
 from .registry import chunked_policy_names, policy_class, policy_names, register_policy
 from .request import Request, RequestStatus
 
@@ -35,39 +26,37 @@ from .request import Request, RequestStatus
 # shows in policy_names(), not here). A policy that reproduces another engine's own rule (`reproduces`: vllm_v1)
 # is registered too, for the simulator, but not listed here: it is checked against that engine, not held to the
 # invariants the paper's policies share.
-POLICIES = tuple(p for p in policy_names() if not getattr(policy_class(p), "reproduces", None))
+POLICIES = tuple(p for p in policy_names() if not policy_class(p).reproduces)
 CHUNKED_POLICIES = tuple(p for p in chunked_policy_names() if p in POLICIES)
 
 __all__ = [
     "BlockManager",
     "CHUNKED_POLICIES",
-    "HOL_ADMISSION_BOUND",
     "KVCacheManager",
     "KVConnectorScheduler",
     "KVLoad",
     "KVSave",
     "LONG_PROMPT_CHUNKS",
     "PLACEHOLDER_TOKEN",
-    "ShortPromptProtection",
-    "block_key",
-    "chunked_policy_names",
-    "policy_class",
-    "policy_names",
-    "register_policy",
-    "OrcaScheduler",
     "POLICIES",
+    "Policy",
     "Request",
-    "RequestLevelScheduler",
     "RequestStatus",
-    "SarathiScheduler",
+    "RequestView",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
-    "SimpleChunkingScheduler",
+    "StepPlan",
     "StepTimePredictor",
     "TokenBudget",
-    "VLLMScheduler",
-    "VLLMV1Scheduler",
+    "block_key",
+    "chunked_policy_names",
+    "fill",
+    "make_policy",
     "make_scheduler",
+    "plan_step",
+    "policy_class",
+    "policy_names",
+    "register_policy",
 ]

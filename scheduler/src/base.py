@@ -1,22 +1,24 @@
-"""The scheduler core every policy shares: request bookkeeping, the batches in flight, preemption, update, and the
-public building blocks policies compose (``schedule_decodes``, ``schedule_prefills``, ``admit``, ...)."""
+"""The scheduler host: our requests and KV cache, with the step decided by the policy (``plan``) and applied here.
+
+``Scheduler`` owns request bookkeeping, the batches in flight, preemption, admission with the KV cache manager,
+and ``update``; each step it hands its policy views of its requests (our ``Request`` is one) and applies the
+``StepPlan`` it gets back exactly as the other hosts (the vLLM plugin, the transformers host) apply it.
+"""
 
 from __future__ import annotations
 
 import bisect
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from itertools import islice
+from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any
 
-from .admission import ShortPromptProtection
 from .budget import StepTimePredictor, TokenBudget
 from .config import SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVConnectorScheduler, KVLoad, KVSave
 from .output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from .plan import RequestView, StepPlan, make_policy
 from .request import Request, RequestStatus
 
 RUNNING = RequestStatus.RUNNING
@@ -24,29 +26,23 @@ WAITING_FOR_REMOTE_KV = RequestStatus.WAITING_FOR_REMOTE_KV
 
 
 class Scheduler:
-    """Owns the requests; a policy (a subclass, registered with ``register_policy``) decides what each iteration
-    runs by composing the building blocks below in ``compose(out)``.
+    """Owns the requests and the KV cache; ``policy`` (``config.policy``, see ``plan``) decides each step.
 
     Use: ``add`` requests, then repeat ``out = schedule()``, run ``out``, ``update(out, sampled)``. With
     ``max_concurrent_batches`` N, up to N outputs may be outstanding; ``update`` takes them in the order
     ``schedule`` gave them, and a request is in at most one of them (except under ``async_scheduling``, see
     ``SchedulerConfig``). A request's counts advance in ``update``; while its row is in flight it is marked
-    (``Request.num_in_flight``) and the policies pass it over, it is never a preemption victim, and aborting it
+    (``Request.num_in_flight``) and not shown to the policy, it is never a preemption victim, and aborting it
     frees its blocks at once (safe because batches execute in order: any later batch that reuses them runs after).
 
-    ``waiting`` holds requests without KV blocks in ``order_key`` order (arrival, by default; preempted ones return
-    to their place); ``running`` holds requests with KV blocks in the same order, so the latest, the preemption
-    victim, is last; ``waiting_for_kv`` those whose blocks a KV connector is filling. The block tables belong to
-    ``kv`` (a ``KVCacheManager``); ``block_manager`` is its pool, for reading counts.
+    ``waiting`` holds requests without KV blocks in arrival order (preempted ones return to their place);
+    ``running`` holds requests with KV blocks in the same order; ``waiting_for_kv`` those whose blocks a KV
+    connector is filling. The block tables belong to ``kv`` (a ``KVCacheManager``); ``block_manager`` is its
+    pool, for reading counts. ``last_plan`` is the policy's last ``StepPlan``.
 
     predictor: the step-time model of ``chunk_size="auto"`` (required then, unused otherwise); see ``budget``.
     connector: the scheduler side of a KV connector (``kv_transfer``), or ``None``.
     """
-
-    policy = "base"
-    chunked = True
-    order_key: Callable[[Request], Any] = staticmethod(attrgetter("seq"))
-    """The key ``waiting`` and ``running`` are kept sorted by (arrival order); a policy may order otherwise."""
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None,
                  connector: KVConnectorScheduler | None = None) -> None:
@@ -57,7 +53,8 @@ class Scheduler:
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager = self.kv.pool
         self.budget = _token_budget(config, predictor)
-        self.protection = ShortPromptProtection(self) if config.protects_short_prompts else None
+        self.policy = make_policy(config, self.budget)
+        self.last_plan: StepPlan | None = None
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -184,10 +181,6 @@ class Scheduler:
         self._in_flight.append((out, rows))
         return out
 
-    def compose(self, out: SchedulerOutput) -> None:
-        """The policy: fill ``out`` with this iteration's rows."""
-        raise NotImplementedError
-
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
         """Apply a finished iteration: advance computed counts, append sampled tokens, finish requests.
 
@@ -298,17 +291,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the token budget (chunk_size="auto")
 
-    def prefill_budget(self, out: SchedulerOutput, prefills: list[Request]) -> int:
-        """Prefill tokens this iteration may add to ``out`` (its decodes scheduled): ``chunk_size`` less those
-        decodes, or with ``chunk_size="auto"`` what ``self.budget`` predicts fits the TBT SLO, for the prompts
-        mid-prefill (``prefills``) and then the waiting ones that could be admitted."""
-        if self.budget is None:
-            return self.config.chunk_size - out.num_decode_tokens
-        slots = max(self.config.max_running - len(self.running), 0)
-        return self.budget.prefill_tokens(out, [
-            (r, min(r.num_prefill_tokens - r.num_computed_tokens, self._prefill_cap(r)))
-            for r in (*prefills, *islice(self.waiting, slots))], seat_bound=len(self.waiting) > slots)
-
     def observe(self, output: SchedulerOutput, step_time: float, end: float | None = None) -> None:
         """Feed the measured ``step_time`` (seconds, the iteration's start to end) of the iteration ``output``,
         and its ``end`` (seconds on the caller's clock, from which the budget takes its decodes' time since the
@@ -317,101 +299,133 @@ class Scheduler:
         if self.budget is not None:
             self.budget.observe_output(output, step_time, end)
 
-    # ------------------------------------------------------------------ building blocks for policies
+    # ------------------------------------------------------------------ applying the decision
 
-    def has_seat(self) -> bool:
-        """Whether another request may hold KV blocks (``max_running``, requests loading KV included)."""
-        return len(self.running) + len(self.waiting_for_kv) < self.config.max_running
+    def compose(self, out: SchedulerOutput) -> None:
+        """Fill ``out``: the policy decides the step from views of the requests (``plan``), and the step is applied
+        with the KV cache (``apply``); where it holds nothing, the plan's fallback is applied instead."""
+        running, others = self._candidates()
+        plan = self.policy.decide(running, self.waiting, others)
+        self.last_plan = plan
+        while plan is not None and not out.scheduled:
+            self.apply(plan, out)
+            plan = plan.fallback
+        self.policy.stepped(out.num_prefills > 0)
 
-    def is_long(self, req: Request) -> bool:
-        """Whether ``req``'s prefill is above ``long_threshold``."""
-        threshold = self.config.long_threshold
-        return threshold is not None and req.num_prefill_tokens > threshold
-
-    def prefills_in_progress(self) -> list[Request]:
-        """Running requests mid-prefill and not in flight, in ``running`` order."""
-        return [r for r in self.running if r.num_computed_tokens < r.num_prefill_tokens and not r.num_in_flight]
-
-    def schedule_decodes(self, out: SchedulerOutput) -> list[Request]:
-        """Give every running decode its one token, preempting from the tail of ``running`` when the pool is
-        out of blocks. Returns the running requests that are mid-prefill, in order (not scheduled). Requests in
-        flight are passed over, or, under ``async_scheduling``, continued (``_continuation``)."""
-        if not self._track:
-            return self._schedule_decodes_alternating(out)
-        running = self.running
-        kv, pool = self.kv, self.block_manager
-        bs = self.config.block_size
-        add_row = out.scheduled.append
-        prefills: list[Request] = []
+    def apply(self, plan: StepPlan, out: SchedulerOutput) -> None:
+        """Apply ``plan`` as every host does (``plan`` module docstring): running requests in the plan's order,
+        each ``min(tokens it needs, long_cap, budget left)``, a decode short of a block preempting the last request
+        of that order (itself, if it is the last: the fill stops there); then, unless this step preempted a request
+        that still left others running, waiting requests in the plan's order while seats, blocks and budget last.
+        Blocks for a prompt's whole prefill are taken at its admission, so only decodes need blocks later."""
+        reqs = self.requests
+        kv, pool, bs = self.kv, self.block_manager, self.config.block_size
+        left = plan.token_budget
+        cap = plan.long_cap or left
+        held = set(plan.held) if plan.held else ()
+        track = self._track  # batches in flight: requests in flight are passed over, or continued (async)
+        # the running requests in the plan's order: the views themselves where the policy kept them (our
+        # requests, or a continuation's RequestView), else looked up by id
+        order = plan.views if len(plan.views) == len(plan.running) else [reqs[rid] for rid in plan.running]
+        if track:
+            order = [reqs[v.request_id] if v.__class__ is RequestView else v for v in order]
+        decode_cap = self._decode_cap() if track else math.inf
+        add_row = out.scheduled.append  # decode rows; their counts are added once, after the loop
         num_decodes = 0
-        cap = self._decode_cap()
+        # victims are taken from the end of ``order`` (``tail``); without batches in flight they form its suffix,
+        # which the loop stops before (``end``), else they are skipped by their status
+        end = len(order)
+        tail = end - 1
         i = 0
-        while i < len(running):
-            req = running[i]
+        while i < end and left > 0:
+            req = order[i]
             i += 1
-            if req.num_in_flight:
+            if held and req.request_id in held:
+                continue
+            computed = req.num_computed_tokens
+            token = PLACEHOLDER_TOKEN
+            if track and (req.status is not RUNNING or req.num_in_flight):
+                if req.status is not RUNNING:
+                    continue
                 computed = self._continuation(req)
                 if computed < 0:
                     continue
-                token = PLACEHOLDER_TOKEN
+            elif computed < req.num_prefill_tokens:
+                left -= self._chunk(req, min(left, cap), out)
+                continue
             else:
-                computed = req.num_computed_tokens
-                if computed < req.num_prefill_tokens:
-                    prefills.append(req)
-                    continue
-                if num_decodes >= cap:
+                if num_decodes >= decode_cap:
                     continue  # the next micro-batch's share
                 token = req.output_token_ids[-1]
             blocks = req.block_ids
             if computed == len(blocks) * bs:
                 while not pool.num_free_blocks:
-                    victim = self._victim(i - 1)
-                    if victim is None or victim is req:
+                    while tail >= i - 1 and (order[tail].status is not RUNNING or track and order[tail].num_in_flight):
+                        tail -= 1  # a request in flight is never a victim (nor is this one, if it is)
+                    if tail < i - 1:
                         break
-                    self.preempt(victim, out)
+                    self.preempt(order[tail], out)
+                    if not track:
+                        end = tail
+                    tail -= 1
+                if req.status is not RUNNING:
+                    break  # it preempted itself: the fill stops, as vLLM's does
                 if not pool.num_free_blocks:
-                    if not req.num_in_flight:
-                        self.preempt(req, out)
-                        break
                     continue  # in flight: it waits for the batch that holds it
                 kv.allocate_one(req)
-            add_row(ScheduledRequest(req.request_id, computed, 1, [token], blocks[:], True, False))
+            add_row(ScheduledRequest(req.request_id, computed, 1, [token], blocks[:] if track else blocks, True,
+                                     False))
+            left -= 1
             num_decodes += 1
         out.num_decode_tokens += num_decodes
         out.num_decodes += num_decodes
-        return prefills
+        if out.preempted_ids and self.running:
+            return  # no admission in a step that had to preempt, while others still run
+        self._admit(plan, left, cap, out)
 
-    def _schedule_decodes_alternating(self, out: SchedulerOutput) -> list[Request]:
-        """``schedule_decodes`` when one batch at a time runs (nothing is ever in flight here): the same decisions,
-        in the hot loop of every step without the in-flight checks; a decode's block table is the live one."""
-        running = self.running
-        kv, pool = self.kv, self.block_manager
-        bs = self.config.block_size
-        add_row = out.scheduled.append
-        prefills: list[Request] = []
-        num_decodes = 0
-        i = 0
-        while i < len(running):
-            req = running[i]
-            i += 1
-            computed = req.num_computed_tokens
-            if computed < req.num_prefill_tokens:
-                prefills.append(req)
+    def _admit(self, plan: StepPlan, left: int, cap: int, out: SchedulerOutput) -> None:
+        """Admit ``plan.waiting`` in order while seats, blocks and ``left`` tokens last (see ``apply``)."""
+        if not plan.waiting or left <= 0:
+            return
+        reqs, bs = self.requests, self.kv.block_size
+        seats = self.config.max_running - len(self.running) - len(self.waiting_for_kv)
+        admitted: list[Request] = []
+        for rid in plan.waiting:
+            if left <= 0 or seats <= 0:
+                break
+            req = reqs.get(rid)
+            if req is None or req.status is not RequestStatus.WAITING:
                 continue
-            blocks = req.block_ids
-            if computed == len(blocks) * bs:
-                while not pool.num_free_blocks:
-                    self.preempt(running[-1], out)
-                    if req.status is not RUNNING:
-                        break
-                if req.status is not RUNNING:
-                    break
-                kv.allocate_one(req)
-            add_row(ScheduledRequest(req.request_id, computed, 1, [req.output_token_ids[-1]], blocks, True, False))
-            num_decodes += 1
-        out.num_decode_tokens += num_decodes
-        out.num_decodes += num_decodes
-        return prefills
+            prefix, _, fits = self.admission_blocks(req)
+            if not fits or plan.whole_prompts and req.num_prefill_tokens - len(prefix) * bs > left:
+                break
+            admitted.append(req)
+            left -= self.start(req, prefix, min(left, cap), out)
+            seats -= 1
+        waiting = self.waiting
+        for req in admitted:
+            if waiting[0] is req:
+                waiting.popleft()
+            else:
+                waiting.remove(req)
+
+    def _candidates(self) -> tuple[list[Request | RequestView], int]:
+        """The running requests a step may schedule, as views, and how many others hold a seat: those in flight
+        (but for a decode async scheduling may continue, seen at its in-flight count) and those loading KV."""
+        if not self._track:
+            return self.running, len(self.waiting_for_kv)
+        candidates: list[Request | RequestView] = []
+        others = len(self.waiting_for_kv)
+        for req in self.running:
+            if not req.num_in_flight:
+                candidates.append(req)
+                continue
+            computed = self._continuation(req)
+            if computed < 0:
+                others += 1
+            else:
+                candidates.append(RequestView(req.request_id, computed, computed + 1, req.num_prompt_tokens, req.seq))
+        return candidates, others
 
     def _decode_cap(self) -> int | float:
         """Most decodes one batch may take (``balance_micro_batches``): ``ceil(D / P)`` of the D running requests
@@ -434,15 +448,6 @@ class Scheduler:
             return -1
         return req.num_computed_tokens + req.num_scheduled_tokens
 
-    def _victim(self, lo: int) -> Request | None:
-        """The preemption victim for ``running[lo]``: the last running request at index ``lo`` or after that is
-        not in flight, or ``None``."""
-        running = self.running
-        for j in range(len(running) - 1, lo - 1, -1):
-            if not running[j].num_in_flight:
-                return running[j]
-        return None
-
     def preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Preempt by recompute: free all blocks; the request waits at its place to redo its tokens."""
         self.running.remove(req)
@@ -454,26 +459,15 @@ class Scheduler:
         self._insert(self.waiting, req)
         out.preempted_ids.append(req.request_id)
 
-    def schedule_prefill_chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Schedule the next chunk of ``req``'s prefill within ``budget`` tokens; returns its length."""
+    def _chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the next chunk of ``req``'s prefill, at most ``budget`` tokens; returns its length."""
         start = req.num_computed_tokens
-        n = req.num_prefill_tokens - start
-        if self.chunked:
-            n = min(n, budget, self._prefill_cap(req))
+        n = min(req.num_prefill_tokens - start, budget)
         end = start + n
         out.add(ScheduledRequest(
             req.request_id, start, n, req.token_ids(start, end),
             req.block_ids[:self.kv.blocks_for(end)], end == req.num_tokens, True))
         return n
-
-    def schedule_partial_prefills(self, prefills: Iterable[Request], budget: int, out: SchedulerOutput) -> int:
-        """Continue prompts already mid-prefill, in order, within ``budget``; returns tokens used."""
-        used = 0
-        for req in prefills:
-            if budget - used <= 0:
-                break
-            used += self.schedule_prefill_chunk(req, budget - used, out)
-        return used
 
     def admission_blocks(self, req: Request) -> tuple[list[int], int, bool]:
         """What admitting ``req`` takes from the pool: the cached prefix blocks it starts from (``[]`` without
@@ -486,10 +480,10 @@ class Scheduler:
         return prefix, need, kv.can_allocate(need, reserve, prefix)
 
     def start(self, req: Request, prefix: list[int], budget: int, out: SchedulerOutput) -> int:
-        """Admit ``req`` (just taken off ``waiting``): its block table (the cached ``prefix`` blocks, then new
-        ones for the whole prefill), and its first chunk within ``budget``; returns the chunk's length. A request
-        with external tokens the prefix does not cover waits for their K/V instead (``WAITING_FOR_REMOTE_KV``,
-        a ``KVLoad`` in ``out``; 0 tokens used)."""
+        """Admit ``req`` (still in ``waiting``; the caller removes it): its block table (the cached ``prefix``
+        blocks, then new ones for the whole prefill), and its first chunk within ``budget``; returns the chunk's
+        length. A request with external tokens the prefix does not cover waits for their K/V instead
+        (``WAITING_FOR_REMOTE_KV``, a ``KVLoad`` in ``out``; 0 tokens used)."""
         kv = self.kv
         hit = len(prefix) * kv.block_size
         kv.allocate_slots(req, req.num_prefill_tokens - hit, computed_blocks=prefix)
@@ -508,63 +502,17 @@ class Scheduler:
                 return 0
         req.status = RUNNING
         self._insert(self.running, req)
-        return self.schedule_prefill_chunk(req, budget, out)
-
-    def admit(self, budget: int, out: SchedulerOutput, num_partial: int = 0, num_long: int = 0) -> int:
-        """Admit waiting requests in order while the budget, ``max_num_seqs``, the partial-prefill limits and the
-        block pool allow, and schedule their first chunk (their whole prompt for unchunked policies). Blocks for
-        the whole prefill are taken at admission. Returns tokens used."""
-        cfg = self.config
-        bs = self.kv.block_size
-        max_partial = cfg.max_num_partial_prefills or cfg.max_num_seqs
-        waiting = self.waiting
-        held_back: list[Request] = []
-        used = 0
-        max_seqs, loading, running = cfg.max_running, self.waiting_for_kv, self.running
-        while waiting and used < budget and len(running) + len(loading) < max_seqs:
-            if self.chunked and num_partial >= max_partial:
-                break
-            req = waiting[0]
-            is_long = self.is_long(req)
-            if is_long and num_long >= cfg.max_long_partial_prefills:
-                held_back.append(waiting.popleft())
-                continue
-            prefix, need, fits = self.admission_blocks(req)
-            if not self.chunked and req.num_prefill_tokens - len(prefix) * bs > budget - used:
-                break
-            if not fits:
-                break
-            waiting.popleft()
-            used += self.start(req, prefix, budget - used, out)
-            num_partial += 1
-            num_long += is_long
-        waiting.extendleft(reversed(held_back))
-        return used
-
-    def schedule_prefills(self, prefills: list[Request], budget: int, out: SchedulerOutput) -> int:
-        """Continue the prompts mid-prefill (``prefills``, in order) and admit waiting ones within ``budget``
-        tokens: first come, first served (the paper's policy), or, with head-of-line protection and a short prompt
-        to protect from a long one, short prompts first (``ShortPromptProtection``). Returns tokens used."""
-        protection = self.protection
-        if protection is not None and protection.needed(prefills):
-            return protection.schedule(prefills, budget, out)
-        used = self.schedule_partial_prefills(prefills, budget, out)
-        if budget - used > 0:
-            # Protected but with nobody to protect: plain FCFS. Admission happens only once every prompt
-            # mid-prefill has finished in this iteration, so no long prompt holds a long slot any more.
-            used += self.admit(budget - used, out, num_partial=len(prefills),
-                               num_long=0 if protection is not None else sum(map(self.is_long, prefills)))
-        return used
+        return self._chunk(req, budget, out)
 
     # ------------------------------------------------------------------ internals
 
     def _insert(self, queue: deque[Request] | list[Request], req: Request) -> None:
-        """Put ``req`` into ``queue`` (``waiting`` or ``running``) at its ``order_key`` place."""
-        key = self.order_key
-        if not queue or key(queue[-1]) < key(req):
+        """Put ``req`` into ``queue`` (``waiting`` or ``running``) at its arrival place."""
+        seq = req.seq
+        if not queue or queue[-1].seq < seq:
             queue.append(req)
         else:
-            queue.insert(bisect.bisect_left(queue, key(req), key=key), req)
+            queue.insert(bisect.bisect_left(queue, seq, key=_seq), req)
 
     def _stuck(self, out: SchedulerOutput) -> bool:
         """Whether ``out`` is empty although requests wait and nothing runs, loads or is being sent (no batch in
@@ -594,13 +542,8 @@ class Scheduler:
         out.num_cached_tokens += hit
         self.block_manager.record_admission(req.num_prefill_tokens, hit)
 
-    def _prefill_cap(self, req: Request) -> int:
-        """Most tokens of ``req``'s prefill one chunk may take: ``long_prefill_token_threshold`` for a long prompt
-        without head-of-line protection (with it, long prompts are held to their share by the budget instead)."""
-        threshold = self.config.long_prefill_token_threshold
-        if threshold is None or self.config.protects_short_prompts or req.num_prefill_tokens <= threshold:
-            return req.num_prefill_tokens
-        return threshold
+
+_seq = attrgetter("seq")
 
 
 def _token_budget(config: SchedulerConfig, predictor: StepTimePredictor | None) -> TokenBudget | None:
@@ -609,3 +552,12 @@ def _token_budget(config: SchedulerConfig, predictor: StepTimePredictor | None) 
     if predictor is None:
         raise ValueError("chunk_size='auto' needs a step-time predictor (a cost model) to choose each budget")
     return TokenBudget(config, predictor)
+
+
+def make_scheduler(config: SchedulerConfig | None = None, predictor: StepTimePredictor | None = None,
+                   connector: KVConnectorScheduler | None = None) -> Scheduler:
+    """A scheduler deciding by ``config.policy`` (default: ``SchedulerConfig()``, the ``sarathi`` policy).
+
+    predictor: the step-time model ``chunk_size="auto"`` needs (see ``sarathi_lite.scheduler.budget``).
+    connector: the scheduler side of a KV connector (``sarathi_lite.scheduler.kv_transfer``), or ``None``."""
+    return Scheduler(config or SchedulerConfig(), predictor, connector)

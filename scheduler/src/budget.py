@@ -66,9 +66,8 @@ EFFICIENCY_LOOKBACK, EFFICIENCY_GRAIN = 128, 64
 steps of a multiple of ``EFFICIENCY_GRAIN`` tokens (GPU matmul tiles are 64 or 128 tokens), taking the one with
 the most tokens per predicted second: at most two more predictions. This pass takes no step that cuts a prompt
 the largest fitting step finishes (``finished_prefix``): that request's first token would wait a whole step more,
-for a few percent of one step's rate. On this CPU's profile a chunk's own attention bends the rate down by about
-1% per 64 tokens, and the pass cut a burst of two short prompts (396 tokens, 400 fitted) to 320 tokens, so the
-second got its first token a step (0.9 s) later (inside vLLM, 2026-12-06). ``SEAT_BOUND_SHARE``'s pass may: with
+for a few percent of one step's rate (where a chunk's own attention bends the rate down, as on a CPU, the pass
+would otherwise cut a burst of short prompts a grain short of finishing). ``SEAT_BOUND_SHARE``'s pass may: with
 every seat taken the seats' turnover, not one request's first token, sets the capacity, and with the same rule
 it lost 0.5-0.7% of capacity on the seat-bound conversation cells (A100 8B, Llama-3-70B on 4 and 8 H100s,
 simulated)."""

@@ -7,105 +7,26 @@ from dataclasses import dataclass, field
 
 from .registry import chunked_policy_names, is_chunked, policy_class
 
-# With hol_protection, iterations a short prompt waits (counting the one that admits it) once it is the oldest waiting
-# short prompt, no other short prompt is mid-prefill and a seat and KV blocks are free for it, whatever long prompts
-# hold: it is admitted in the very next iteration (simple_chunking: its next prefill iteration, so within 2).
-HOL_ADMISSION_BOUND = 1
-# With hol_protection and a fixed chunk_size, a prompt is long (by default) when its prefill needs more than this many
-# iterations' budgets. One chunk made every ordinary prompt above the budget "long" and cost capacity on ordinary
-# traffic; four keeps every measured ordinary trace unchanged (docs/design/scheduler.md, head-of-line protection;
-# docs/results/hol_protection.md).
 LONG_PROMPT_CHUNKS = 4
+"""With ``hol_protection`` and a fixed ``chunk_size``, a prompt is long (by default) when it needs more than this
+many steps' budgets: every measured ordinary trace is then scheduled as without protection
+(docs/results/hol_protection.md)."""
 DEFAULT_CHUNK_SIZE = 512
-# With chunk_size="auto" the steps vary, so a prompt is long (by default) above what the default fixed chunk size
-# calls long, LONG_PROMPT_CHUNKS * DEFAULT_CHUNK_SIZE = 2,048 tokens (or above max_num_batched_tokens, if less):
-# a threshold of max_num_batched_tokens alone (8,192 for a model of 8k context) left every prompt the steps really
-# chunk, at a few hundred tokens each, unprotected (docs/results/vllm_plugin.md, the evening re-run).
 AUTO_LONG_THRESHOLD = LONG_PROMPT_CHUNKS * DEFAULT_CHUNK_SIZE
+"""With ``chunk_size="auto"`` the steps vary, so a prompt is long (by default) above what the default fixed chunk
+size calls long, 2,048 tokens (or above ``max_num_batched_tokens``, if less)."""
+DEFAULT_TBT_PERCENTILE = 99.0
+"""The percentile of time between tokens that ``tbt_slo`` bounds under ``chunk_size="auto"``, by default: real
+steps scatter around any model of them, so the budget sizes them by their measured percentile, not by their typical
+time (docs/results/auto_budget.md)."""
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """What the scheduler may put in one iteration and how much KV memory it manages.
+    """What the scheduler may put in one step and how much KV memory it manages, validated on construction.
 
-    All sizes are in tokens unless named otherwise.
-
-    policy: a registered policy (``POLICIES``; ``registry.register_policy`` adds one). ``sarathi`` (stall-free
-        hybrid batches) is the default; the others are the baselines of the Sarathi-Serve paper (see
-        ``sarathi_lite.scheduler.policies``).
-    chunk_size: the token budget of one iteration for the chunked policies (``sarathi``, ``simple_chunking``),
-        or ``"auto"``: each iteration's prefill budget chosen by a step-time predictor so the predicted step
-        fits a target (``tbt_slo * budget_safety`` at first, then moved by ``tbt_percentile``; see
-        ``sarathi_lite.scheduler.budget``), with at most ``max_num_batched_tokens`` tokens in all.
-    max_num_seqs: most requests running (holding KV blocks) at once; never more than the token budget, so a
-        decode-only iteration always fits the budget (see ``max_running``).
-    max_num_batched_tokens: the token budget of one iteration for the unchunked policies (``vllm``, ``orca``,
-        ``request_level``), which must fit any whole prompt in one step; ``None`` means
-        ``max(max_model_len, 2048)``, as in vLLM.
-    max_model_len: longest prompt accepted; generation stops once prompt + output reach it (a prompt of exactly
-        this length still samples one token, as in vLLM). ``None``: not known yet, as in ``EngineConfig.scheduler``
-        before the engine knows its model and KV pool (``EngineConfig.scheduler_config`` completes it); such a
-        config keeps ``max_num_batched_tokens`` and ``num_blocks`` as given, and no ``Scheduler`` takes it.
-    block_size: tokens per KV block.
-    num_blocks: blocks in the KV pool; ``None`` means enough for ``max_num_seqs`` requests of ``max_model_len``.
-    watermark: fraction of the pool kept free when admitting a new request while others run, so running
-        decodes have room to grow before anyone is preempted.
-    max_num_partial_prefills: most prompts mid-prefill at once (``None``: no limit beyond ``max_num_seqs``).
-    long_prefill_token_threshold: prompts with more prefill tokens than this count as long. Without
-        ``hol_protection`` a long prompt's chunk per iteration is capped at this many tokens (``None``: no
-        prompt is long); with it, see below (``None``: ``LONG_PROMPT_CHUNKS * chunk_size``, or
-        ``max_num_batched_tokens`` with ``chunk_size="auto"``).
-    max_long_partial_prefills: most long prompts mid-prefill at once; waiting short prompts are admitted past
-        a long prompt that this limit holds back.
-    enable_prefix_caching: reuse the KV blocks of a prompt prefix another request has already computed
-        (content-addressed full blocks, see ``sarathi_lite.scheduler.block_manager``): an admitted request
-        starts at the longest cached prefix and computes only the rest. On by default (greedy outputs are
-        the same either way); the paper's policy comparisons turn it off.
-    hol_protection: head-of-line protection for short prompts (chunked policies only). On by default;
-        ``False`` is the Sarathi-Serve paper's first-come-first-served budget filling, which the paper's policy
-        comparisons use. It acts only in iterations with a short prompt to protect (a long prompt beside a short
-        one, mid-prefill or waiting); every other iteration is scheduled exactly as without it, so traffic
-        whose prompts all sit on one side of ``long_threshold`` gets the paper's batches. With it the knobs
-        compose into one guarantee (``HOL_ADMISSION_BOUND``): a short prompt (at most ``long_threshold`` prefill
-        tokens) is admitted in the first iteration in which it is the oldest waiting short prompt, no other short
-        prompt is mid-prefill and a seat and KV blocks are free for it, whatever long prompts are mid-prefill or
-        waiting. In such an iteration, after the decodes: short prompts (mid-prefill, then waiting ones passing
-        waiting long ones, then long ones whose whole prefill fits what is left) fill the budget but for a share
-        kept for the long prompts mid-prefill (``min(long_chunk, half the budget, what they still need)``, so
-        they never starve); the long prompts take everything the short ones leave (capped only by an explicit
-        ``long_prefill_chunk``). Long prompts hold at most ``max(max_num_partial_prefills - 1, 1)`` (and
-        ``max_long_partial_prefills``) partial-prefill slots; short prompts always have at least one. See
-        ``admission.ShortPromptProtection``.
-    long_prefill_chunk: with ``hol_protection``, a cap on the prefill tokens long prompts get in an iteration
-        they share with decodes or short prompts, which keeps those iterations, whose long-context attention is
-        the costliest, about as fast as the others, at some throughput (``None``, the default: no cap; the share
-        kept for long prompts beside short ones is then ``min(long_threshold, chunk_size // 4)``).
-    tbt_slo: with ``chunk_size="auto"`` (required then, unused otherwise): the time-between-tokens target,
-        seconds per iteration.
-    tbt_percentile: with ``chunk_size="auto"``: the percentile of time between tokens that ``tbt_slo`` bounds,
-        in (0, 100) (99: P99 TBT <= ``tbt_slo``). The budget's target then moves with the measured steps so that
-        their percentile sits just under ``tbt_slo`` (``budget.TailController``); ``None`` (the default until the
-        controller sees TBT gaps rather than step times, see docs/results/auto_budget.md): the target stays at
-        ``tbt_slo * budget_safety``.
-    budget_safety: with ``chunk_size="auto"``: the fraction of ``tbt_slo`` a predicted step may take before any
-        step is measured (with ``tbt_percentile=None``, always), in (0, 1].
-    min_chunk_size: with ``chunk_size="auto"``: prefill tokens granted every iteration a prompt waits, even
-        when the predicted step then exceeds the target (rounded up to whole blocks), so prefill never starves.
-    max_concurrent_batches: most batches ``schedule()`` may hand out before the oldest is ``update()``d (pipeline
-        stages, or async scheduling). A request is in at most one of them: its next prompt chunk or decode waits
-        for the previous one (Sarathi-Serve's pipeline rule), except under ``async_scheduling``. 1 (the default)
-        is strict alternation of ``schedule()`` and ``update()``.
-    async_scheduling: let a request whose in-flight row samples a token be scheduled for its next decode before
-        that token is known (the row's input is ``PLACEHOLDER_TOKEN``, which the executor replaces with the token
-        the previous batch sampled), as vLLM's async scheduling does; never when that token could end it by
-        length. Raises ``max_concurrent_batches`` from 1 to 2. A request that stops on the earlier token wastes
-        that one row.
-    balance_micro_batches: with ``max_concurrent_batches`` P > 1 and not ``async_scheduling``: a batch takes at
-        most ``ceil(D / P)`` of the D running requests that decode (in flight or not), so the P micro-batches of
-        a pipeline share the decodes evenly (vLLM gets the same from one scheduler per micro-batch, each with its
-        own requests). Without it, decodes that become ready together all go into one batch and come back
-        together, and the micro-batches after it find nothing to run: with only decodes running, one micro-batch
-        at a time crosses the pipeline, forever. No effect at P = 1.
+    Sizes are in tokens, times in seconds. Each field's ``help`` (its ``metadata``, which the CLI shows) documents
+    it; docs/design/scheduler.md explains how they work together.
     """
 
     policy: str = field(default="sarathi", metadata={
@@ -125,27 +46,21 @@ class SchedulerConfig:
         "help": "blocks in the KV pool (an engine sets it from num_kv_blocks or its KV memory)"})
     watermark: float = field(default=0.01, metadata={
         "help": "fraction of the KV pool kept free when admitting a request while others run"})
-    max_num_partial_prefills: int | None = field(default=None, metadata={
-        "help": "most prompts mid-prefill at once (default: no limit beyond max_num_seqs)"})
     long_prefill_token_threshold: int | None = field(default=None, metadata={
-        "help": "prompts with more prefill tokens than this are long (default: with hol_protection, 4 x chunk_size; "
-                "without, no prompt is long, and a long prompt's chunk is capped at it)"})
-    max_long_partial_prefills: int = field(default=1, metadata={
-        "help": "most long prompts mid-prefill at once"})
+        "help": "prompts of more tokens than this are long: with hol_protection, short prompts go before them "
+                "(default: 4 x chunk_size, or 2048 with chunk_size auto); without it, no request gets more tokens "
+                "than this in one step (default: no cap)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs are the same either "
                 "way)"})
     hol_protection: bool = field(default=True, metadata={
-        "help": "head-of-line protection: short prompts are admitted past long ones mid-prefill, which keep a share "
-                "of the budget; iterations with no short prompt beside a long one are scheduled as without it (see "
-                "SchedulerConfig.hol_protection); --no-hol-protection is the Sarathi-Serve paper's first-come-first-"
-                "served policy"})
-    long_prefill_chunk: int | None = field(default=None, metadata={
-        "help": "with hol_protection, cap long prompts at this many prefill tokens in an iteration shared with "
-                "decodes or short prompts, for TBT under long-context attention (default: no cap)"})
+        "help": "head-of-line protection (chunked policies): while a long prompt is mid-prefill beside a short one, "
+                "short prompts go first and the long ones keep a share of the step; steps with no short prompt "
+                "beside a long one are scheduled as without it. Off: the Sarathi-Serve paper's first-come-first-"
+                "served filling"})
     tbt_slo: float | None = field(default=None, metadata={
         "help": "with chunk_size auto: the time-between-tokens target of every iteration (seconds)"})
-    tbt_percentile: float | None = field(default=None, metadata={
+    tbt_percentile: float | None = field(default=DEFAULT_TBT_PERCENTILE, metadata={
         "help": "with chunk_size auto: the percentile of time between tokens that tbt_slo bounds (99: P99); the "
                 "budget's target follows the measured steps' percentile to just under tbt_slo (None: a fixed "
                 "target, tbt_slo x budget_safety)"})
@@ -169,12 +84,10 @@ class SchedulerConfig:
         policy_class(self.policy)  # raises ValueError naming the registered policies
         if self.chunk_size != "auto":
             _check_positive_int("chunk_size", self.chunk_size)
-        for name in ("max_num_seqs", "max_model_len", "block_size", "max_long_partial_prefills",
-                     "min_chunk_size", "max_concurrent_batches"):
+        for name in ("max_num_seqs", "max_model_len", "block_size", "min_chunk_size", "max_concurrent_batches"):
             if name != "max_model_len" or self.max_model_len is not None:  # None: not known yet
                 _check_positive_int(name, getattr(self, name))
-        for name in ("max_num_batched_tokens", "num_blocks", "max_num_partial_prefills",
-                     "long_prefill_token_threshold", "long_prefill_chunk"):
+        for name in ("max_num_batched_tokens", "num_blocks", "long_prefill_token_threshold"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
@@ -237,25 +150,6 @@ class SchedulerConfig:
                 return min(AUTO_LONG_THRESHOLD, self.token_budget)
             return LONG_PROMPT_CHUNKS * self.token_budget
         return self.long_prefill_token_threshold
-
-    @property
-    def long_chunk(self) -> int:
-        """Under head-of-line protection, the prefill tokens kept for long prompts mid-prefill in an iteration that
-        short prompts fill first, and with an explicit ``long_prefill_chunk`` also the most they get beside
-        decodes or short prompts: ``long_prefill_chunk``, by default ``min(long_threshold, token_budget // 4)``
-        (at least 1; ``token_budget`` is ``chunk_size``, or ``max_num_batched_tokens`` for ``"auto"``, whose
-        steps keep a quarter of their own budget instead: ``long_chunk_for``)."""
-        return self.long_chunk_for(self.token_budget)
-
-    def long_chunk_for(self, step_tokens: int) -> int:
-        """``long_chunk`` in a step whose token budget (decodes and prefill) is ``step_tokens``: with
-        ``chunk_size="auto"`` and no explicit ``long_prefill_chunk``, ``min(long_threshold, step_tokens // 4)``
-        (at least 1), a quarter of the step as a fixed chunk size keeps a quarter of its chunk; otherwise
-        ``long_chunk`` (the step's budget is then ``chunk_size``)."""
-        if self.long_prefill_chunk is not None:
-            return self.long_prefill_chunk
-        budget = step_tokens if self.auto_budget else self.token_budget
-        return max(min(self.long_threshold or budget, budget // 4), 1)
 
     @property
     def watermark_blocks(self) -> int:

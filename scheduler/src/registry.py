@@ -1,19 +1,19 @@
-"""The policy registry: a policy is one ``Scheduler`` subclass and one ``register_policy``; the policy lists
-(``POLICIES``, ``CHUNKED_POLICIES``), ``SchedulerConfig``'s validation and ``make_scheduler`` all read it."""
+"""The policy registry: a policy is one ``plan.Policy`` subclass and one ``register_policy``; the policy lists
+(``POLICIES``, ``CHUNKED_POLICIES``), ``SchedulerConfig``'s validation and ``make_policy`` all read it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-_REGISTRY: dict[str, Any] = {}  # policy name -> its Scheduler subclass, in registration order
+_REGISTRY: dict[str, Any] = {}  # policy name -> its Policy subclass, in registration order
 
 
 def register_policy(cls: Any) -> Any:
-    """Class decorator: register a ``Scheduler`` subclass under its ``policy`` name (its ``chunked`` attribute says
-    whether it chunks prompts under ``chunk_size``). Raises ``ValueError`` if another class has the name."""
-    name = getattr(cls, "policy", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls.__name__} needs a `policy` name to be registered")
+    """Class decorator: register a ``Policy`` subclass under its ``name`` (its ``chunked`` attribute says whether
+    it chunks prompts under ``chunk_size``). Raises ``ValueError`` if another class has the name."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or name == "base":
+        raise ValueError(f"{cls.__name__} needs a `name` to be registered")
     if not isinstance(getattr(cls, "chunked", None), bool):
         raise ValueError(f"{cls.__name__} needs `chunked = True` or `False` to be registered")
     if _REGISTRY.get(name, cls) is not cls:

@@ -15,7 +15,8 @@ class RequestStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One generation request as the scheduler sees it.
+    """One generation request as the scheduler sees it; also, while not in flight, the view the decision reads
+    (``plan.View``).
 
     ``num_computed_tokens`` counts the tokens (prompt first, then outputs) whose K/V are in the cache.
     ``num_prefill_tokens`` is how many tokens must be computed before the next token is sampled: the prompt
@@ -61,6 +62,23 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def arrival(self) -> int:
+        """The arrival order key the decision sorts by (``seq``)."""
+        return self.seq
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens the request needs to catch up with what is known (1 for a decode)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether the request needs exactly one token (a decode, or the last token of a prompt): ``num_remaining ==
+        1`` for a request not in flight (a decode has computed all but its last token, past its prefill; a request
+        prefilling or waiting needs its prefill, ``num_prefill_tokens == num_tokens``), read off two counts."""
+        return self.num_computed_tokens + 1 >= self.num_prefill_tokens
 
     @property
     def is_prefill(self) -> bool:

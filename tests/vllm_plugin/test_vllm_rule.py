@@ -1,8 +1,13 @@
-"""The simulator's ``vllm_v1`` policy is vLLM's own rule: replayed step by step on the arrivals of a real vLLM run
-(the plugin with ``policy="vllm_v1"`` changes nothing and logs each step), it schedules the same token counts."""
+"""One decision in every host, checked against real vLLM runs replayed step by step on our own scheduler:
+
+- the simulator's ``vllm_v1`` policy is vLLM's own rule (the plugin with ``policy="vllm_v1"`` changes nothing and
+  logs each step): it schedules the same token counts;
+- the ``sarathi`` policy (head-of-line protection on) decides the same steps inside vLLM (the plugin) and in our
+  scheduler: the same token counts in at least 99% of steps."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -21,13 +26,16 @@ def vllm_rule(tiny_model):
     close(llm)
 
 
-def _drive(llm, seed: int) -> list[dict]:
-    """Requests arrive while others run (0-2 per step, random lengths); returns the step log of the run."""
+def _drive(llm, seed: int, pending: list[tuple[str, int, int]] | None = None) -> list[dict]:
+    """Requests arrive while others run (0-2 per step; ``pending``: (id, prompt length, max tokens) in order, by
+    default 40 of random lengths); returns the step log of the run."""
     rng = random.Random(seed)
     engine = llm.llm_engine
     sched = scheduler_of(llm)
     before = len(sched.step_log)
-    pending = [(f"q{i}", rng.randint(1, 300), rng.randint(1, 30)) for i in range(40)]
+    if pending is None:
+        pending = [(f"q{i}", rng.randint(1, 300), rng.randint(1, 30)) for i in range(40)]
+    pending = list(pending)
     for _ in range(2000):
         for _ in range(rng.randint(0, 2)):
             if pending:
@@ -68,3 +76,33 @@ def test_vllm_v1_policy_reproduces_the_real_vllm_schedulers_token_counts(vllm_ru
                                        if a != s["scheduled"]][:5]
     # the cap is vLLM's: a long prompt among others never took more than 48 tokens in a step
     assert any(48 in s["scheduled"].values() for s in steps)
+
+
+@pytest.fixture(scope="module")
+def sarathi_rule(tiny_model):
+    # prompts of 1,400 tokens on a model of 1,024 positions: only the scheduled token counts are compared here
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    llm = make_llm(tiny_model, skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=256,
+                   block_size=32, enable_prefix_caching=False, plugin={"chunk_size": 128})
+    yield llm
+    close(llm)
+
+
+def test_sarathi_decides_the_same_steps_inside_vllm_and_in_our_scheduler(sarathi_rule):
+    """48 prompts of 8-900 tokens and four of 1,400 (long: above 4 x 128), arriving while others run, through the
+    plugin inside vLLM and replayed on our scheduler with the same limits: the same tokens in >= 99% of steps."""
+    vllm_sched = scheduler_of(sarathi_rule)
+    rng = random.Random(7)
+    pending = [(f"s{i}", rng.randint(8, 900), rng.randint(4, 40)) for i in range(48)]
+    for i, at in enumerate((5, 17, 30, 41)):
+        pending.insert(at, (f"long{i}", 1400, rng.randint(4, 40)))
+    steps = [s for s in _drive(sarathi_rule, 1, pending) if s["scheduled"] or s["new"]]
+    config = SchedulerConfig(policy="sarathi", chunk_size=128, max_num_batched_tokens=256, max_num_seqs=16,
+                             block_size=32, num_blocks=vllm_sched.kv_cache_config.num_blocks, max_model_len=2048,
+                             enable_prefix_caching=False, watermark=0.0)
+    assert vllm_sched.options.config.long_threshold == config.long_threshold == 512
+    ours = _replay(steps, config)
+    differ = [(s["step"], a, s["scheduled"]) for a, s in zip(ours, steps) if a != s["scheduled"]]
+    print(f"sarathi replay: {len(steps) - len(differ)} of {len(steps)} steps with the same token counts")
+    assert len(steps) > 100 and any(s["held"] for s in steps), "the stream never exercised a held step"
+    assert len(differ) <= 0.01 * len(steps), differ[:5]

@@ -19,11 +19,7 @@ rule left unchanged, only logged (the baseline the simulator's ``vllm_v1`` polic
 DEFAULT_CHUNK_SIZE = 512
 """The token budget when ``chunk_size`` is not given (at most vLLM's ``max_num_batched_tokens``)."""
 KEYS = ("policy", "chunk_size", "tbt_slo", "tbt_percentile", "cost_model", "budget_safety", "min_chunk_size",
-        "hol_protection", "long_prefill_chunk", "step_log")
-DEFAULT_TBT_PERCENTILE = 99.0
-"""The TBT percentile ``tbt_slo`` bounds with ``chunk_size="auto"`` when not given (``null``: a fixed target,
-``tbt_slo * budget_safety``). vLLM's steps scatter around any model of them (a profile of another engine, a
-busy host): the budget sizes them by their measured percentile, not by their typical time."""
+        "hol_protection", "step_log")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +75,8 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
     step_log = raw.get("step_log")
     if step_log is not None and not isinstance(step_log, str):
         raise ValueError(f"sarathi_lite step_log={step_log!r} must be a file path")
-    extra = {k: raw[k] for k in ("tbt_slo", "budget_safety", "min_chunk_size", "hol_protection",
-                                 "long_prefill_chunk") if k in raw}
-    if chunk_size == "auto":
-        extra["tbt_percentile"] = raw.get("tbt_percentile", DEFAULT_TBT_PERCENTILE)
+    extra = {k: raw[k] for k in ("tbt_slo", "tbt_percentile", "budget_safety", "min_chunk_size", "hol_protection")
+             if k in raw}
     config = SchedulerConfig(
         policy="sarathi", chunk_size=chunk_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,

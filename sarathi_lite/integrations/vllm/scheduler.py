@@ -9,9 +9,12 @@ vLLM's own fill loop through the settings it reads at the top of every step:
 - ``self.max_num_scheduled_tokens``, the step's token budget (``chunk_size``, or the ``"auto"`` budget);
 - ``scheduler_config.long_prefill_token_threshold``, the cap on one request's tokens in this step (the long
   prompts' share under head-of-line protection);
+- the waiting requests the plan does not admit (a second long prompt, those beyond the free seats) are taken
+  out of ``self.waiting`` for the step and put back behind the others;
 - and for a step that holds the long prompts mid-prefill out (``StepPlan.held``: the short prompts beside them
   then finish in this step), each such request's ``next_decode_eligible_step``, which vLLM's fill loop checks
-  before it gives a running request tokens.
+  before it gives a running request tokens. Where vLLM's free KV blocks cannot take the first prompt such a step
+  admits, the step would hold nothing: the plan's fallback (the capped step) is applied instead.
 
 All are put back after the step, so vLLM's configuration is unchanged between steps. With
 ``policy="vllm_v1"`` nothing is changed and the steps are only logged. Every step appends a record to
@@ -31,7 +34,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput, TokenBudget
-from sarathi_lite.scheduler.plan import RequestView, plan_step
+from sarathi_lite.scheduler.plan import RequestView, StepPlan, make_policy
 
 from .options import parse_options
 
@@ -70,12 +73,12 @@ class SarathiScheduler(AsyncScheduler):
             enable_prefix_caching=bool(cache.enable_prefix_caching))
         config = self.options.config
         self.token_budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
+        self.policy = make_policy(config, self.token_budget)
         self.step_log: deque[dict[str, Any]] = deque(maxlen=STEP_LOG_LENGTH)
         self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
         # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
         self._step_started: dict[int, tuple[float, SchedulerOutput, dict[str, Any]]] = {}
         self._known: set[str] = set()  # the requests a step record has named (live ones only)
-        self._held: set[str] = set()  # the long prompts the last step held out (plan_step's just_held)
         logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
                     config.chunk_size, config.hol_protection)
 
@@ -90,8 +93,7 @@ class SarathiScheduler(AsyncScheduler):
             return output
         running = [_view(r) for r in self.running]
         waiting = [_view(r) for r in self.waiting]
-        plan = plan_step(running, waiting, self.options.config, self.token_budget, self._held)
-        self._held = set(plan.held)
+        plan = self._runnable(self.policy.decide(running, waiting))
         self._reorder(plan)
         sched = self.scheduler_config
         threshold, budget = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
@@ -99,28 +101,51 @@ class SarathiScheduler(AsyncScheduler):
         self.max_num_scheduled_tokens = plan.token_budget
         # a held request is skipped by vLLM's fill loop as one not yet eligible (schedule() counts this step as
         # current_step + 1); it keeps its place in self.running, so it is still the preemption victim it would be
+        held_ids = set(plan.held)
         held = [(r, r.next_decode_eligible_step, max(r.next_decode_eligible_step, self.current_step + 2))
-                for r in self.running if r.request_id in self._held]
+                for r in self.running if r.request_id in held_ids]
         for r, _, skip in held:
             r.next_decode_eligible_step = skip
+        # the waiting requests the plan does not admit (after _reorder, behind those it does) sit the step out
+        planned = set(plan.waiting)
+        hidden = []
+        while self.waiting and self.waiting[-1].request_id not in planned:
+            hidden.append(self.waiting.pop())
         try:
             output = super().schedule(*args, **kwargs)
         finally:
+            self.waiting.extend(reversed(hidden))
             sched.long_prefill_token_threshold = threshold
             self.max_num_scheduled_tokens = budget
             for r, eligible, skip in held:
                 if r.next_decode_eligible_step == skip:  # unless vLLM set it since
                     r.next_decode_eligible_step = eligible
-        self._record(output, [v.request_id for v in running if v.is_decode], plan, started)
+        decodes = [v.request_id for v in running if v.is_decode]
+        self.policy.stepped(bool(set(output.num_scheduled_tokens) - set(decodes)))
+        self._record(output, decodes, plan, started)
         return output
+
+    def _runnable(self, plan: StepPlan) -> StepPlan:
+        """``plan``, or its fallback where a step that holds requests out would hold nothing: it schedules no
+        running request and vLLM's free KV blocks cannot take the first prompt it admits."""
+        if not plan.held or plan.fallback is None:
+            return plan
+        held = set(plan.held)
+        if any(rid in plan.tokens for rid in plan.running if rid not in held):
+            return plan
+        first = next((rid for rid in plan.waiting if rid in plan.tokens), None)
+        if first is None:
+            return plan.fallback
+        need = -(-plan.tokens[first] // self.block_size)
+        return plan if self.kv_cache_manager.block_pool.get_num_free_blocks() >= need else plan.fallback
 
     def _reorder(self, plan: Any) -> None:
         """Put ``self.running`` and ``self.waiting`` in the plan's order (in place: vLLM holds references)."""
         rank = {rid: i for i, rid in enumerate(plan.running)}
         self.running.sort(key=lambda r: rank[r.request_id])
-        if len(self.waiting) > 1:
+        if len(self.waiting) > 1:  # the plan names the prompts it may admit; the rest keep their order behind
             order = {rid: i for i, rid in enumerate(plan.waiting)}
-            queue = sorted(self.waiting, key=lambda r: order[r.request_id])
+            queue = sorted(self.waiting, key=lambda r: order.get(r.request_id, len(order)))
             if any(a is not b for a, b in zip(queue, self.waiting)):
                 self.waiting.clear()
                 self.waiting.extend(queue)
