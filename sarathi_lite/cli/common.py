@@ -89,6 +89,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, fields: Iterable[str] | 
         group.add_argument(flag_name(f), **kwargs)
 
 
+def set_flag_help(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
+    """Replace the help of ``parser``'s ``flag`` (a command whose default differs from the engine's says so)."""
+    next(a for a in parser._actions if flag in a.option_strings).help = help_text
+
+
 def engine_options(args: argparse.Namespace, fields: Iterable[str] | None = None) -> dict[str, Any]:
     """The engine options given on the command line (those of ``fields`` if given), by option name."""
     names = list(OPTIONS) if fields is None else list(fields)

@@ -107,10 +107,18 @@ class LLM:
             raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (or a list of "
                              f"such lists); got {messages!r:.80}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        checked = [chat_messages(c, "messages" if len(conversations) == 1 else f"messages[{i}]")
-                   for i, c in enumerate(conversations)]
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in checked]
-        return self.generate([tok(p, add_special_tokens=False).input_ids for p in prompts], params, use_tqdm)
+        where = ["messages" if len(conversations) == 1 else f"messages[{i}]" for i in range(len(conversations))]
+        return self.generate([self.chat_token_ids(c, w) for c, w in zip(conversations, where)], params, use_tqdm)
+
+    def chat_token_ids(self, conversation: Sequence[Message], where: str = "messages") -> list[int]:
+        """The prompt token ids of one conversation under the model's chat template, ending where the assistant
+        answers (what ``chat`` generates from). Raises ``ValueError`` naming ``where`` for bad messages."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"the model at {self.engine.model_path} has no chat template")
+        text = tok.apply_chat_template(chat_messages(conversation, where), tokenize=False,
+                                       add_generation_prompt=True)
+        return tok(text, add_special_tokens=False).input_ids
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix; returns the KV blocks dropped (see ``LLMEngine``)."""
