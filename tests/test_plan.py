@@ -12,6 +12,7 @@ from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli import build_parser, main
 from sarathi_lite.cli.common import engine_config
 from sarathi_lite.engine.config import EngineConfig, parse_chunk_size
+from sarathi_lite.engine.llm import replicas_layout
 from sarathi_lite.plan import Setup, commands, plan, space, table
 from sarathi_lite.plan.report import organization
 from sarathi_lite.plan.space import deployment, hybrid_rule, launch, llm_text, start_rate
@@ -100,19 +101,20 @@ def test_gpus_that_fit_nothing_are_an_error_naming_model_and_gpus():
 
 
 def test_cli_errors_name_the_bad_value(capsys):
-    base = ["plan", "--gpu", "h100", "--gpus", "2", "--ttft", "1", "--tbt", "0.05", "--no-progress"]
+    base = ["plan", "--gpu", "h100", "--gpus", "2", "--ttft-slo", "1", "--tbt-slo", "0.05", "--no-progress"]
     assert main([*base, "--model", "llama9"]) == 2
     assert "llama9" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1", "--ttft", "1", "--tbt", "0.05",
+    assert main(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1", "--ttft-slo", "1", "--tbt-slo", "0.05",
                  "--no-progress"]) == 2
     assert "gpus=1" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--ttft", "1", "--tbt", "0",
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--ttft-slo", "1", "--tbt-slo", "0",
                  "--no-progress"]) == 2
     assert "tbt=0.0" in capsys.readouterr().err
 
 
-def _fake_llm(model, disaggregation=None, prefill_options=None, **options):
+def _fake_llm(model, disaggregation=None, prefill_options=None, data_parallel_size=None, **options):
     """What ``LLM(...)`` builds from the planner's keywords, short of starting engines."""
+    disaggregation = replicas_layout(data_parallel_size, disaggregation)
     config = EngineConfig.from_options(model, **options)
     layout = None if disaggregation is None else (disaggregation if isinstance(disaggregation, Layout)
                                                   else Layout.parse(disaggregation))
@@ -146,8 +148,8 @@ def test_printed_commands_parse_into_the_simulated_configuration():
 
 def test_cli_prints_the_ranked_table_and_writes_plot_and_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "1", "--ttft", "1", "--tbt", "0.05",
-            "--chunk-sizes", "512,2048", "--requests", "20", "--max-requests", "20", "--max-prompt", "2000",
+    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "1", "--ttft-slo", "1", "--tbt-slo", "0.05",
+            "--chunk-sizes", "512,2048", "--num-requests", "20", "--max-requests", "20", "--max-prompt", "2000",
             "--max-output", "32", "--fine-probes", "1", "--backend", "serial", "--no-progress",
             "--json", str(out), "--plot", str(tmp_path / "plan.png")]
     assert main(argv) == 0
@@ -200,7 +202,7 @@ def test_plan_slos_gives_each_pairs_plan_and_simulates_a_shared_rate_once(monkey
 
 def test_cli_plan_judges_several_slo_pairs_in_one_search(capsys):
     args = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--chunk-sizes", "512,2048",
-            "--max-degree", "1", "--requests", str(TINY), "--max-requests", str(TINY), "--backend", "serial",
+            "--max-degree", "1", "--num-requests", str(TINY), "--max-requests", str(TINY), "--backend", "serial",
             "--no-progress", "--top", "3"]
     assert main([*args, "--slo", "0.25,0.025", "--slo", "1,0.1"]) == 0
     out = capsys.readouterr().out
@@ -210,7 +212,7 @@ def test_cli_plan_judges_several_slo_pairs_in_one_search(capsys):
         main([*args, "--slo", "fast"])
     assert "--slo 'fast': expected TTFT,TBT" in capsys.readouterr().err
     assert main(args) == 2
-    assert "give --ttft and --tbt, or one --slo" in capsys.readouterr().err
+    assert "give --ttft-slo and --tbt-slo, or one --slo" in capsys.readouterr().err
 
 
 def test_the_planner_lists_and_simulates_hybrid_candidates(tiny):

@@ -29,11 +29,13 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, disaggregation: Any = None, processes: bool = True,
-                 **engine_options: Any) -> None:
+                 data_parallel_size: int | None = None, **engine_options: Any) -> None:
         # disaggregation (issue 25): "2" colocated replicas, "1P1D", or a routing.Layout; None: one engine.
+        # data_parallel_size=N: N colocated replicas, as serve's --data-parallel-size (disaggregation=str(N)).
         # processes: each instance in its own process (ProcessEngine: own weights, K/V over gloo), or all in
         # this one sharing the weights (DisaggregatedEngine). Options of either (prefill_options=, num_threads=,
         # ...) pass through.
+        disaggregation = replicas_layout(data_parallel_size, disaggregation)
         if disaggregation is None:
             self.engine = LLMEngine(model, **engine_options)
         elif processes:
@@ -188,6 +190,18 @@ class LLM:
             chosen[0].outputs = chosen if len(g.ids) > 1 else None
             outs.append(chosen[0])
         return outs
+
+
+def replicas_layout(data_parallel_size: int | None, disaggregation: Any = None) -> Any:
+    """The instance layout of ``data_parallel_size`` replicas (``"N"``; ``None``, one engine, for 1), or
+    ``disaggregation`` when no size is given. Raises ``ValueError`` for a size below 1 or both given."""
+    if data_parallel_size is None:
+        return disaggregation
+    if disaggregation is not None:
+        raise ValueError("give disaggregation= or data_parallel_size=, not both")
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an integer >= 1")
+    return str(data_parallel_size) if data_parallel_size > 1 else None
 
 
 class _Group:

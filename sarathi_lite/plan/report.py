@@ -38,11 +38,9 @@ def table(result: Plan, top: int | None = None) -> str:
              "arguments |", "|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(result.entries[:top] if top else result.entries, 1):
         run = result.launch(e)
-        args = shlex.join(["sarathi-lite", *run["serve"]])
-        if run["note"]:
-            args += f" ({run['note']})"
+        args = f"`{shlex.join(['sarathi-lite', *run['serve']])}`" + (f" (note: {run['note']})" if run["note"] else "")
         lines.append(f"| {i} | {e.label} | {e.num_gpus} | {e.goodput:.2f} | {_rate(e)} | "
-                     f"{e.error or e.limiting} | {'yes' if e.refined else 'no'} | `{args}` |")
+                     f"{e.error or e.limiting} | {'yes' if e.refined else 'no'} | {args} |")
     if result.skipped:
         lines += ["", "Did not fit: " + "; ".join(f"{shape}: {why}" for shape, why in result.skipped)]
     return "\n".join(lines)
