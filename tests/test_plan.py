@@ -14,8 +14,9 @@ from sarathi_lite.cli.common import engine_config
 from sarathi_lite.engine.config import EngineConfig, parse_chunk_size
 from sarathi_lite.engine.llm import replicas_layout
 from sarathi_lite.plan import Setup, commands, plan, space, table
-from sarathi_lite.plan.report import organization
-from sarathi_lite.plan.space import deployment, hybrid_rule, launch, llm_text, start_rate
+from sarathi_lite.plan.report import organization, ties
+from sarathi_lite.plan.search import Entry, Plan, Probe
+from sarathi_lite.plan.space import Candidate, deployment, hybrid_rule, launch, llm_text, start_rate
 from sarathi_lite.scheduler.routing import HybridRule, Layout
 from sarathi_lite.sim.disagg import rate_sweep
 from sarathi_lite.sim.sweeps import run_tasks
@@ -104,8 +105,8 @@ def test_cli_errors_name_the_bad_value(capsys):
     base = ["plan", "--gpu", "h100", "--gpus", "2", "--ttft-slo", "1", "--tbt-slo", "0.05", "--no-progress"]
     assert main([*base, "--model", "llama9"]) == 2
     assert "llama9" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1", "--ttft-slo", "1", "--tbt-slo", "0.05",
-                 "--no-progress"]) == 2
+    assert main(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1", "--ttft-slo", "1", "--tbt-slo",
+                 "0.05", "--no-progress"]) == 2
     assert "gpus=1" in capsys.readouterr().err
     assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--ttft-slo", "1", "--tbt-slo", "0",
                  "--no-progress"]) == 2
@@ -257,3 +258,56 @@ def test_serve_gives_prefill_instances_their_own_chunk_size(monkeypatch):
     with pytest.raises(ValueError, match="'big'"):
         serve_engine(build_parser().parse_args(["serve", "m", "--instances", "1P1D", "--prefill-chunk-size", "big"]),
                      config="cfg")
+
+
+def _entry(cand_label: str, rates: list[tuple[float, float]]) -> Entry:
+    chunk = int(cand_label.split("@")[1])
+    probes = [Probe(rate, att, att, 1.0, 10) for rate, att in rates]
+    return Entry(Candidate("2C", 1, 1, chunk), probes, 0.9)
+
+
+def test_the_table_explains_brackets_and_names_ties():
+    setup = Setup("llama3-8b", "h100", 2, 1.0, 0.05)
+    entries = [_entry("2C@512", [(4.0, 1.0), (8.0, 0.5)]), _entry("2C@1024", [(4.0, 1.0), (5.66, 0.95), (8.0, 0.8)]),
+               _entry("2C@2048", [(4.0, 1.0), (5.66, 0.92), (8.0, 0.85)]), _entry("2C@256", [(4.0, 0.5)])]
+    result = Plan(setup, sorted(entries, key=lambda e: -e.goodput), "w")
+    text = table(result)
+    assert "bracket: the last probed rate that met the SLOs" in text and "refined: yes if" in text
+    assert ties(result) == [(1, 2, "2.83-4.00")]  # 1024 and 2048 held at 5.66 and failed at 8: a tie
+    assert "Ranks 1-2 share the bracket 2.83-4.00" in text
+
+
+def test_printed_commands_keep_notes_outside_and_paths_absolute(monkeypatch, tmp_path):
+    tp2 = launch(Setup("llama3-70b", "h100", 8, 1.0, 0.05), Candidate("2C", 4, 1, 512))
+    assert tp2["note"] and "--data-parallel-size" in tp2["serve"]
+    row = [line for line in table(Plan(Setup("llama3-70b", "h100", 8, 1.0, 0.05),
+                                       [Entry(Candidate("2C", 4, 1, 512), [], 0.9)], "w")).splitlines()
+           if line.startswith("| 1 |")][0]
+    command = row.split("`")[1]
+    assert "instances as processes" not in command and "(note: this engine runs" in row.split("`")[2]
+    assert tp2["llm"]["data_parallel_size"] == 2 and "disaggregation" not in tp2["llm"]
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    cpu = launch(Setup("smollm2-135m", "cpu", 1, 5.0, 1.0, profile="p.json"), Candidate("1C", 1, 1, "auto"))
+    assert cpu["llm"]["cost_model"] == str(profile)  # absolute: the command runs from any folder
+
+
+def test_a_stopped_search_keeps_what_it_found(monkeypatch):
+    from sarathi_lite.plan import search
+
+    real, calls = search._coarse, []
+
+    def coarse(task):
+        calls.append(task)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(search, "_coarse", coarse)
+    setup = Setup("llama3-8b", "h100", 2, ttft=0.25, tbt=0.025, chunk_sizes=(512, 1024, 2048), max_degree=1)
+    wl = Workload.from_trace("conversation", num_requests=TINY, qps=1.0, max_prompt=2000, max_output=64)
+    result = plan(setup, wl, min_requests=TINY, max_requests=TINY, backend="serial", progress=False)
+    assert len(result.entries) == 2 and not any(e.refined for e in result.entries)
+    assert result.stopped.startswith(f"2 of {len(space(setup).candidates)} candidates searched")
+    assert result.to_dict()["stopped"] == result.stopped
