@@ -175,7 +175,7 @@ def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repea
         for batch in timed:
             for i in batch:
                 runs[i].append(run(outputs[i]))
-            bar.update(len(batch))
+                bar.update(1)
     return runs
 
 
