@@ -151,6 +151,12 @@ def add_generate_parser(sub: Any) -> None:
                      help=f"add a built-in long prompt that arrives at iteration {LONG_PROMPT_ARRIVAL}, while the "
                           f"given prompts decode, so the table shows it chunked beside their decodes (default: on)")
     add_threads_arg(gen)
+    # One thread: this demo's batches (a chunk and a few decodes of a small model) gain little from more, and on a
+    # CPU shared with other work every multi-threaded layer waits for the slowest thread (measured: 24-38 s at
+    # load 7 with one thread, 172 s with torch's two).
+    gen.set_defaults(threads=1)
+    set_flag_help(gen, "--threads", "torch CPU threads (default here: 1, steady on a CPU shared with other work; "
+                                    "0 for torch's own default)")
     add_engine_args(gen)
     set_flag_help(gen, "--chunk-size", f"the token budget of one iteration: decodes first, then prompt chunks; "
                                        f"an int or auto (default here: {DEMO_CHUNK_SIZE}, small so the long prompt "
