@@ -145,3 +145,10 @@ def test_a_fit_that_prices_a_term_at_nothing_warns():
     with pytest.warns(UserWarning, match="gave prefill_chunks no cost"):
         assert warn_degenerate({"decode_tokens": 1e-5, "prefill_chunks": 0.0, "sampled": 1e-4,
                                 "prefill_attention": 1e-7, "decode_attention": 1e-6}) == ["prefill_chunks"]
+
+
+def test_the_capacity_table_explains_its_probe_column(capsys):
+    assert main(["sim", "--cost-model", "roofline:h100:llama3-8b", *TINY_SIM, "--capacity", "--tbt-slo", "0.05",
+                 "--qps-low", "1", "--qps-high", "100", "--probes", "3", "--policies", "sarathi"]) == 0
+    out = capsys.readouterr().out
+    assert "probes: each rate the search tried, in order, + if it met the SLO and x if not" in out
