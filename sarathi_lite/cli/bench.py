@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from sarathi_lite.cli.common import (
@@ -32,7 +31,9 @@ from sarathi_lite.cli.common import (
     apply_threads,
     build_workload,
     engine_config,
+    fresh_folder,
     policies,
+    record_run_files,
     save_capacity,
     save_comparison,
     slo_from_args,
@@ -90,9 +91,9 @@ def _cost_per_token(args: argparse.Namespace, config: EngineConfig) -> int:
     cost = replay.cost_per_token(engine, num_tokens=args.cost_tokens, context_len=args.cost_context)
     print(f"{cost.machine}\nbatches of {cost.num_tokens} tokens, decodes with {cost.context_len} cached tokens each")
     print(cost.table())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_folder(args.out)
     (out / "cost_per_token.json").write_text(json.dumps(cost.to_dict(), indent=1))
+    record_run_files(out, [out / "cost_per_token.json"])
     print(f"wrote {out / 'cost_per_token.json'}")
     return 0
 
@@ -118,7 +119,8 @@ def add_bench_parsers(sub: Any) -> None:
                        description=__doc__)
     add_workload_args(b)
     add_sweep_args(b)
-    b.add_argument("--out", default="results/bench", help="folder for JSON, CSV and the plot")
+    b.add_argument("--out", default="results/bench",
+                   help="folder for JSON, CSV and the plot, which then holds this run only (default results/bench)")
     b.add_argument("--plot", action="store_true", help="also write bench.png")
     add_no_progress_arg(b)
     b.add_argument("--cost-per-token", action="store_true",
@@ -147,7 +149,8 @@ def add_bench_parsers(sub: Any) -> None:
     add_workload_args(c)
     add_sweep_args(c, chunk_sizes=False)
     add_capacity_args(c, tbt_required=True, probes=5, probes_help="runs per policy")
-    c.add_argument("--out", default="results/capacity", help="folder for capacity.json")
+    c.add_argument("--out", default="results/capacity",
+                   help="folder for capacity.json, which then holds this run only (default results/capacity)")
     add_no_progress_arg(c)
     add_threads_arg(c)
     add_engine_args(c, exclude=("tbt_slo",))  # --tbt-slo is the SLO's, and also auto's target
