@@ -288,9 +288,13 @@ def test_printed_commands_keep_notes_outside_and_paths_absolute(monkeypatch, tmp
     assert tp2["llm"]["data_parallel_size"] == 2 and "disaggregation" not in tp2["llm"]
     profile = tmp_path / "p.json"
     profile.write_text("{}")
+    (tmp_path / "examples").mkdir()
     monkeypatch.chdir(tmp_path)
     cpu = launch(Setup("smollm2-135m", "cpu", 1, 5.0, 1.0, profile="p.json"), Candidate("1C", 1, 1, "auto"))
-    assert cpu["llm"]["cost_model"] == str(profile)  # absolute: the command runs from any folder
+    assert cpu["llm"]["cost_model"] == "p.json"  # where plan ran, the printed command finds it as given
+    monkeypatch.chdir(tmp_path / "examples")
+    above = launch(Setup("smollm2-135m", "cpu", 1, 5.0, 1.0, profile="../p.json"), Candidate("1C", 1, 1, "auto"))
+    assert above["llm"]["cost_model"] == str(profile)  # not ../p.json, which only this folder resolves
 
 
 def test_a_stopped_search_keeps_what_it_found(monkeypatch):

@@ -184,7 +184,9 @@ def cost_spec(setup: Setup, tp: int) -> str:
     """The ``cost_model`` text (``roofline:2xh100:llama3-8b``, or the profile's path) the engine's ``auto`` budget
     loads for it."""
     if setup.profile is not None:
-        return str(Path(setup.profile).resolve())  # the printed commands run from any folder
+        # as given, when the printed commands find it from where plan ran; absolute when it lies above (../)
+        path = Path(setup.profile)
+        return str(path.resolve()) if ".." in path.parts else str(path)
     return f"roofline:{f'{tp}x' if tp > 1 else ''}{setup.gpu.lower()}:{setup.model}"
 
 
