@@ -290,8 +290,8 @@ def warn_degenerate(coefficients: dict[str, float]) -> list[str]:
     if zero:
         warnings.warn(f"the profile's fit gave {', '.join(zero)} no cost (the timings could not separate "
                       f"{'them' if len(zero) > 1 else 'it'}; the simulator would price that work at nothing): "
-                      f"profile again on a quieter machine with one torch thread and more repeats (sarathi-lite profile "
-                      f"--threads 1 --repeats 5, or torch.set_num_threads(1) and profile(..., repeats=5))",
+                      f"profile again on a quieter machine with one torch thread and more repeats (sarathi-lite "
+                      f"profile --threads 1 --repeats 5, or torch.set_num_threads(1) and profile(..., repeats=5))",
                       stacklevel=2)
     return zero
 
