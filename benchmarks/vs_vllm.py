@@ -200,7 +200,7 @@ def drive(args: argparse.Namespace, url: str, workload: list[str], out: Path) ->
     """``sarathi-lite bench --backend openai`` against ``url`` on ``workload`` (its flags); its summary with the
     failed requests (``errors``)."""
     cmd = [sys.executable, "-m", "sarathi_lite", "bench", "--backend", "openai", "--base-url", url,
-           "--served-model", "m", "--vocab-size", str(args.vocab_size), "--no-progress", "--label", "run",
+           "--served-model-name", "m", "--vocab-size", str(args.vocab_size), "--no-progress", "--label", "run",
            "--out", str(out), *workload]
     proc = subprocess.run(cmd, cwd=ROOT, env=_ours_env(1), capture_output=True, text=True, timeout=args.run_timeout)
     if proc.returncode != 0:

@@ -137,8 +137,8 @@ def test_cli_cost_per_token_and_capacity(tiny_checkpoints, tmp_path, capsys):
     # a generous SLO: both ends of the range pass, so each policy stops after two probes at the top
     assert main(["capacity", "--lengths", "fixed:12:3", "--num-requests", "3", "--tbt-slo", "30",
                  "--max-scheduling-delay", "30", "--qps-low", "5", "--qps-high", "50", "--probes", "3",
-                 "--policies", "sarathi,vllm", "--chunk-size", "16", "--out", str(tmp_path), *model]) == 0
-    found = json.loads((tmp_path / "capacity.json").read_text())
+                 "--policies", "sarathi,vllm", "--chunk-size", "16", "--out", str(tmp_path / "capacity"), *model]) == 0
+    found = json.loads((tmp_path / "capacity" / "capacity.json").read_text())
     assert [c["label"] for c in found] == ["sarathi/16", "vllm"]
     assert all(c["capacity"] == 50 and len(c["probes"]) == 2 for c in found)
 

@@ -204,7 +204,7 @@ def test_auto_chunk_size_from_a_profile_file_keeps_greedy_outputs_exact(tiny_che
         LLMEngine(tiny_checkpoints["llama"], device="cpu", chunk_size="auto", tbt_slo=0.2)
     with pytest.raises(ValueError, match="tbt_slo=None"):
         LLMEngine(tiny_checkpoints["llama"], device="cpu", chunk_size="auto", cost_model=profile)
-    with pytest.raises(ValueError, match="neither a profile JSON"):
+    with pytest.raises(ValueError, match="missing.json. not found"):
         LLMEngine(tiny_checkpoints["llama"], device="cpu", chunk_size="auto", tbt_slo=0.2,
                   cost_model=tmp_path / "missing.json")
 

@@ -377,10 +377,10 @@ def test_the_provenance_check_catches_what_it_should():
     assert provenance_problems("x", {**good, "commit": "main"}) == ["x: commit 'main' is no commit id"]
     assert provenance_problems("x", {**good, "commit": "49a4cb4-dirty"}) == []
     assert provenance_problems("x", {**good, "commit": "49a4cb4-wip"}) == ["x: commit '49a4cb4-wip' is no commit id"]
-    bad = {**good, "args": {"out": "/tmp/x.json"}, "profiles": "/work/shared/gpu-profiles",
+    bad = {**good, "args": {"out": "/tmp/x.json"}, "profiles": "/work/some-lab/profiles",
            "runs": [{"python benchmarks/x.py --out /root/x.json": 1}]}
     assert provenance_problems("x", bad) == [
-        "x: a machine path at /args/out: '/tmp/x.json'", "x: a machine path at /profiles: '/work/shared/gpu-profiles'",
+        "x: a machine path at /args/out: '/tmp/x.json'", "x: a machine path at /profiles: '/work/some-lab/profiles'",
         "x: a machine path at /runs/0/python benchmarks/x.py --out /root/x.json: "
         "'python benchmarks/x.py --out /root/x.json'"]
     assert provenance_problems("x", {**good, "url": "https://github.com/microsoft/vidur/data/profiling"}) == []

@@ -12,9 +12,11 @@ from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli import build_parser, main
 from sarathi_lite.cli.common import engine_config
 from sarathi_lite.engine.config import EngineConfig, parse_chunk_size
+from sarathi_lite.engine.llm import replicas_layout
 from sarathi_lite.plan import Setup, commands, plan, space, table
-from sarathi_lite.plan.report import organization
-from sarathi_lite.plan.space import deployment, hybrid_rule, launch, llm_text, start_rate
+from sarathi_lite.plan.report import organization, ties
+from sarathi_lite.plan.search import Entry, Plan, Probe
+from sarathi_lite.plan.space import Candidate, deployment, hybrid_rule, launch, llm_text, start_rate
 from sarathi_lite.scheduler.routing import HybridRule, Layout
 from sarathi_lite.sim.disagg import rate_sweep
 from sarathi_lite.sim.sweeps import run_tasks
@@ -100,19 +102,20 @@ def test_gpus_that_fit_nothing_are_an_error_naming_model_and_gpus():
 
 
 def test_cli_errors_name_the_bad_value(capsys):
-    base = ["plan", "--gpu", "h100", "--gpus", "2", "--ttft", "1", "--tbt", "0.05", "--no-progress"]
+    base = ["plan", "--gpu", "h100", "--gpus", "2", "--ttft-slo", "1", "--tbt-slo", "0.05", "--no-progress"]
     assert main([*base, "--model", "llama9"]) == 2
     assert "llama9" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1", "--ttft", "1", "--tbt", "0.05",
-                 "--no-progress"]) == 2
+    assert main(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1", "--ttft-slo", "1", "--tbt-slo",
+                 "0.05", "--no-progress"]) == 2
     assert "gpus=1" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--ttft", "1", "--tbt", "0",
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--ttft-slo", "1", "--tbt-slo", "0",
                  "--no-progress"]) == 2
     assert "tbt=0.0" in capsys.readouterr().err
 
 
-def _fake_llm(model, disaggregation=None, prefill_options=None, **options):
+def _fake_llm(model, disaggregation=None, prefill_options=None, data_parallel_size=None, **options):
     """What ``LLM(...)`` builds from the planner's keywords, short of starting engines."""
+    disaggregation = replicas_layout(data_parallel_size, disaggregation)
     config = EngineConfig.from_options(model, **options)
     layout = None if disaggregation is None else (disaggregation if isinstance(disaggregation, Layout)
                                                   else Layout.parse(disaggregation))
@@ -146,8 +149,8 @@ def test_printed_commands_parse_into_the_simulated_configuration():
 
 def test_cli_prints_the_ranked_table_and_writes_plot_and_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "1", "--ttft", "1", "--tbt", "0.05",
-            "--chunk-sizes", "512,2048", "--requests", "20", "--max-requests", "20", "--max-prompt", "2000",
+    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "1", "--ttft-slo", "1", "--tbt-slo", "0.05",
+            "--chunk-sizes", "512,2048", "--num-requests", "20", "--max-requests", "20", "--max-prompt", "2000",
             "--max-output", "32", "--fine-probes", "1", "--backend", "serial", "--no-progress",
             "--json", str(out), "--plot", str(tmp_path / "plan.png")]
     assert main(argv) == 0
@@ -200,7 +203,7 @@ def test_plan_slos_gives_each_pairs_plan_and_simulates_a_shared_rate_once(monkey
 
 def test_cli_plan_judges_several_slo_pairs_in_one_search(capsys):
     args = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "2", "--chunk-sizes", "512,2048",
-            "--max-degree", "1", "--requests", str(TINY), "--max-requests", str(TINY), "--backend", "serial",
+            "--max-degree", "1", "--num-requests", str(TINY), "--max-requests", str(TINY), "--backend", "serial",
             "--no-progress", "--top", "3"]
     assert main([*args, "--slo", "0.25,0.025", "--slo", "1,0.1"]) == 0
     out = capsys.readouterr().out
@@ -210,7 +213,7 @@ def test_cli_plan_judges_several_slo_pairs_in_one_search(capsys):
         main([*args, "--slo", "fast"])
     assert "--slo 'fast': expected TTFT,TBT" in capsys.readouterr().err
     assert main(args) == 2
-    assert "give --ttft and --tbt, or one --slo" in capsys.readouterr().err
+    assert "give --ttft-slo and --tbt-slo, or one --slo" in capsys.readouterr().err
 
 
 def test_the_planner_lists_and_simulates_hybrid_candidates(tiny):
@@ -255,3 +258,60 @@ def test_serve_gives_prefill_instances_their_own_chunk_size(monkeypatch):
     with pytest.raises(ValueError, match="'big'"):
         serve_engine(build_parser().parse_args(["serve", "m", "--instances", "1P1D", "--prefill-chunk-size", "big"]),
                      config="cfg")
+
+
+def _entry(cand_label: str, rates: list[tuple[float, float]]) -> Entry:
+    chunk = int(cand_label.split("@")[1])
+    probes = [Probe(rate, att, att, 1.0, 10) for rate, att in rates]
+    return Entry(Candidate("2C", 1, 1, chunk), probes, 0.9)
+
+
+def test_the_table_explains_brackets_and_names_ties():
+    setup = Setup("llama3-8b", "h100", 2, 1.0, 0.05)
+    entries = [_entry("2C@512", [(4.0, 1.0), (8.0, 0.5)]), _entry("2C@1024", [(4.0, 1.0), (5.66, 0.95), (8.0, 0.8)]),
+               _entry("2C@2048", [(4.0, 1.0), (5.66, 0.92), (8.0, 0.85)]), _entry("2C@256", [(4.0, 0.5)])]
+    result = Plan(setup, sorted(entries, key=lambda e: -e.goodput), "w")
+    text = table(result)
+    assert "bracket: the last probed rate that met the SLOs" in text and "refined: yes if" in text
+    assert ties(result) == [(1, 2, "2.83-4.00")]  # 1024 and 2048 held at 5.66 and failed at 8: a tie
+    assert "Ranks 1-2 share the bracket 2.83-4.00" in text
+
+
+def test_printed_commands_keep_notes_outside_and_paths_absolute(monkeypatch, tmp_path):
+    tp2 = launch(Setup("llama3-70b", "h100", 8, 1.0, 0.05), Candidate("2C", 4, 1, 512))
+    assert tp2["note"] and "--data-parallel-size" in tp2["serve"]
+    row = [line for line in table(Plan(Setup("llama3-70b", "h100", 8, 1.0, 0.05),
+                                       [Entry(Candidate("2C", 4, 1, 512), [], 0.9)], "w")).splitlines()
+           if line.startswith("| 1 |")][0]
+    command = row.split("`")[1]
+    assert "instances as processes" not in command and "(note: this engine runs" in row.split("`")[2]
+    assert tp2["llm"]["data_parallel_size"] == 2 and "disaggregation" not in tp2["llm"]
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    (tmp_path / "examples").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cpu = launch(Setup("smollm2-135m", "cpu", 1, 5.0, 1.0, profile="p.json"), Candidate("1C", 1, 1, "auto"))
+    assert cpu["llm"]["cost_model"] == "p.json"  # where plan ran, the printed command finds it as given
+    monkeypatch.chdir(tmp_path / "examples")
+    above = launch(Setup("smollm2-135m", "cpu", 1, 5.0, 1.0, profile="../p.json"), Candidate("1C", 1, 1, "auto"))
+    assert above["llm"]["cost_model"] == str(profile)  # not ../p.json, which only this folder resolves
+
+
+def test_a_stopped_search_keeps_what_it_found(monkeypatch):
+    from sarathi_lite.plan import search
+
+    real, calls = search._coarse, []
+
+    def coarse(task):
+        calls.append(task)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(search, "_coarse", coarse)
+    setup = Setup("llama3-8b", "h100", 2, ttft=0.25, tbt=0.025, chunk_sizes=(512, 1024, 2048), max_degree=1)
+    wl = Workload.from_trace("conversation", num_requests=TINY, qps=1.0, max_prompt=2000, max_output=64)
+    result = plan(setup, wl, min_requests=TINY, max_requests=TINY, backend="serial", progress=False)
+    assert len(result.entries) == 2 and not any(e.refined for e in result.entries)
+    assert result.stopped.startswith(f"2 of {len(space(setup).candidates)} candidates searched")
+    assert result.to_dict()["stopped"] == result.stopped

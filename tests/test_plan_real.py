@@ -91,8 +91,8 @@ def test_confirm_runs_the_top_entries_for_real_with_the_plans_arguments(tiny_che
 
 def test_cli_plan_takes_a_profile(capsys):
     assert main(["plan", "--model", "smollm2-135m", "--gpu", "cpu", "--gpus", "1", "--profile", PROFILE,
-                 "--length-scale", "0.25", "--max-prompt", "1024", "--max-output", "128", "--ttft", "5",
-                 "--tbt", "1.065", "--chunk-sizes", "64,256", "--requests", "20", "--max-requests", "20",
-                 "--backend", "serial", "--no-progress"]) == 0
+                 "--prompt-scale", "0.25", "--output-scale", "0.25", "--max-prompt", "1024", "--max-output", "128",
+                 "--ttft-slo", "5", "--tbt-slo", "1.065", "--chunk-sizes", "64,256", "--num-requests", "20",
+                 "--max-requests", "20", "--backend", "serial", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "1C@64" in out and "1C@256" in out and "measured profile" in out

@@ -67,7 +67,7 @@ def test_sim_auto_chunk_size_sweeps_and_searches_capacity_beside_fixed_ones(tmp_
     assert result.config["chunk_size"] == "auto" and result.config["tbt_slo"] == 0.02
     assert max(it.step_time for it in result.stats.iterations) <= 0.02 * 0.9  # the roofline predicts exactly
     assert main([*roofline, "--capacity", "--chunk-size", "auto", "--tbt-slo", "0.02", "--qps-low", "1",
-                 "--qps-high", "400", "--probes", "4", "--out", str(tmp_path)]) == 0
+                 "--qps-high", "400", "--probes", "4", "--out", str(tmp_path / "capacity")]) == 0
     assert "sarathi/auto" in capsys.readouterr().out
     assert main([*roofline, "--chunk-size", "auto", "--out", str(tmp_path)]) == 2
     assert "tbt_slo=None" in capsys.readouterr().err
@@ -79,7 +79,7 @@ def test_sim_auto_chunk_size_sweeps_and_searches_capacity_beside_fixed_ones(tmp_
 
 def test_sim_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["sim", "--cost-model", str(tmp_path / "none.json"), *WORKLOAD, "--out", str(tmp_path)]) == 2
-    assert "neither a profile JSON" in capsys.readouterr().err
+    assert "none.json' not found" in capsys.readouterr().err
     assert main(["sim", "--cost-model", "roofline:h100", *WORKLOAD, "--capacity", "--out", str(tmp_path)]) == 2
     assert "--tbt-slo" in capsys.readouterr().err
 

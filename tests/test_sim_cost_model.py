@@ -170,8 +170,10 @@ def test_profiled_model_round_trips_through_its_json_file(tmp_path):
         ProfiledCostModel((1, 2), (1.0, 1.0), {"flops": 1.0})
     with pytest.raises(ValueError, match=">= 0"):
         ProfiledCostModel((1, 2), (1.0, -1.0))
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="missing.json' not found"):
         load_cost_model(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="neither"):
+        load_cost_model("rooflin:h100")
 
 
 def test_replay_model_replays_start_times_and_durations_then_stops():

@@ -64,13 +64,34 @@ def test_chat_applies_the_models_template(smollm2_path):
     assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
 
 
+def _iteration_rows(out: str) -> list[list[str]]:
+    """The rows of generate's iteration table: span, batch kind, chunks, prefill tokens, decodes, preempted, ms."""
+    return [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 7]
+
+
 def test_cli_generate_prints_text_iteration_mix_and_latency(capsys):
     torch.manual_seed(0)
     assert main(["generate", "What is the capital of France?", "Name a color.", "--max-tokens", "8",
-                 "--chunk-size", "16"]) == 0
+                 "--chunk-size", "16", "--no-long-prompt"]) == 0
     out = capsys.readouterr().out
-    assert "Paris" in out
+    assert "Paris" in out and "built-in long prompt" not in out
     assert "prefill chunks" in out and "decodes" in out and "TTFT p50" in out and "TBT p50" in out
     # the first prompt (~40 tokens) is chunked over three iterations while the second's decodes share them
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 6]
-    assert any(int(r[1]) >= 1 and int(r[3]) >= 1 for r in rows), out
+    assert any(r[1] == "hybrid" and int(r[2]) >= 1 and int(r[4]) >= 1 for r in _iteration_rows(out)), out
+
+
+def test_the_readme_first_command_shows_a_long_prompt_chunked_beside_running_decodes(capsys):
+    assert main(["generate", "Explain chunked prefill in one sentence.", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "built-in long prompt" in out and "chunk_size 64" in out
+    rows = _iteration_rows(out)
+    assert rows[0][1] == "prefill"  # the given prompt alone, then the long one arrives while it decodes
+    hybrid = [r for r in rows if r[1] == "hybrid"]
+    assert hybrid and int(hybrid[0][3]) > 32 and int(hybrid[0][4]) >= 1, out  # full chunks beside a decode
+    assert sum(int(r[3]) * _span(r[0]) for r in rows if r[1] != "decode") > 2 * 64  # the long prompt took chunks
+    assert "How to read it: TTFT" in out and "TBT (time between tokens)" in out
+
+
+def _span(text: str) -> int:
+    first, _, last = text.partition("-")
+    return int(last or first) - int(first) + 1

@@ -59,10 +59,7 @@ async def _replay(workload: Workload, base_url: str, model: str | None, api_key:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as http:
-        if model is None:
-            r = await http.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+        model = await _served_model(http, base_url, model, httpx)
         prompts = workload.prompt_token_ids(vocab_size)
         bar = _progress(len(prompts), label or f"openai:{model}", progress)
         load_start = os.getloadavg()
@@ -81,6 +78,26 @@ async def _replay(workload: Workload, base_url: str, model: str | None, api_key:
             "wall_time": time.perf_counter() - wall, "num_errors": errors,
             "token_times": "continuous usage" if continuous_usage else "one token per chunk"}
     return BenchResult(config, workload, Stats(metrics, []), meta)
+
+
+async def _served_model(http: Any, base_url: str, model: str | None, httpx: Any) -> str:
+    """``model``, else the server's first (``GET /v1/models``); asked either way, so an unreachable server is
+    reported before any request is timed. Raises ``RuntimeError`` naming ``base_url``."""
+    try:
+        r = await http.get("/v1/models")
+    except httpx.TransportError as e:
+        raise RuntimeError(f"cannot reach the server at {base_url} ({type(e).__name__}: {e}); is it running, and "
+                           f"is --base-url its address (e.g. http://127.0.0.1:8000)?") from None
+    if model is not None:
+        return model
+    if r.status_code != 200:
+        raise RuntimeError(f"{base_url}/v1/models answered HTTP {r.status_code}: {r.text[:200]} (give the model "
+                           f"name with --served-model-name, or the key with --api-key)")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"{base_url}/v1/models lists no model ({r.text[:200]!r}); give --served-model-name") \
+            from None
 
 
 async def _one(http: Any, model: str, spec: RequestSpec, prompt: list[int], arrival: float,

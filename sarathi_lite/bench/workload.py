@@ -319,15 +319,20 @@ class Workload:
 
 def _read_trace(path: Path, start: int, num_requests: int | None) -> tuple[list[dict[str, str]], bool]:
     """Rows ``start .. start + num_requests`` of a trace CSV (all from ``start`` for ``None``) and whether it
-    has arrival times. Raises ``ValueError`` for missing columns or too few rows."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"num_prefill_tokens", "num_decode_tokens"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: trace has no column(s) {', '.join(sorted(missing))}")
-        has_times = "arrived_at" in (reader.fieldnames or ())
-        stop = None if num_requests is None else start + num_requests
-        rows = list(itertools.islice(reader, start, stop))
+    has arrival times. Raises ``ValueError`` naming the file for one that is not a text CSV, missing columns or
+    too few rows."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = {"num_prefill_tokens", "num_decode_tokens"} - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: trace has no column(s) {', '.join(sorted(missing))}")
+            has_times = "arrived_at" in (reader.fieldnames or ())
+            stop = None if num_requests is None else start + num_requests
+            rows = list(itertools.islice(reader, start, stop))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"{path}: not a trace CSV (UTF-8 text with columns num_prefill_tokens, "
+                         f"num_decode_tokens): {e}") from None
     if not rows:
         raise ValueError(f"{path}: no rows from row {start}")
     if num_requests is not None and len(rows) < num_requests:

@@ -1,7 +1,17 @@
-"""``sarathi-lite``: the command line. ``generate`` runs prompts under the chunked-prefill scheduler and shows
-how each iteration mixed prefill chunks and decodes, then TTFT/TBT; ``bench`` and ``capacity`` run the serving
-benchmark; ``sim`` and ``profile`` the simulator; ``serve`` the OpenAI-compatible server; ``plan`` ranks
-deployments under SLOs. Every engine option is a flag (``sarathi-lite CMD --help``)."""
+"""sarathi-lite: chunked-prefill LLM inference scheduling, from the command line.
+
+  generate   run prompts under the chunked-prefill scheduler; show how each iteration mixed prefill chunks and
+             decodes, then TTFT/TBT
+  serve      serve a model over an OpenAI-compatible HTTP API (one engine, replicas, or prefill/decode instances)
+  bench      replay a workload online under several scheduler configurations (or against any OpenAI server)
+  capacity   the highest request rate that meets a P99 TBT SLO, per policy, by real runs
+  profile    time this machine's model runner over batch shapes; save the cost model sim uses
+  sim        simulate a workload under several scheduler configurations on a cost model (no model run)
+  sweep      simulate traces x rates x cost models x configurations x SLOs in parallel; one CSV
+  plan       rank deployments of a model on GPUs by simulated goodput under TTFT and TBT SLOs
+
+Every engine option is a flag of the commands that run the engine: sarathi-lite COMMAND --help.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from sarathi_lite.cli.bench import add_bench_parsers
+from sarathi_lite.cli.common import HelpFormatter
 from sarathi_lite.cli.generate import add_generate_parser
 from sarathi_lite.cli.plan import add_plan_parser
 from sarathi_lite.cli.serve import add_serve_parser
@@ -18,7 +29,7 @@ from sarathi_lite.cli.sim import add_sim_parsers
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sarathi-lite", description=__doc__)
+    parser = argparse.ArgumentParser(prog="sarathi-lite", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
@@ -26,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parsers(sub)
     add_serve_parser(sub)
     add_plan_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 

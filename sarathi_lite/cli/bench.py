@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from sarathi_lite.cli.common import (
     add_capacity_args,
     add_engine_args,
+    add_no_progress_arg,
+    add_old_spelling,
     add_sweep_args,
     add_threads_arg,
     add_workload_args,
     apply_threads,
     build_workload,
     engine_config,
+    fresh_folder,
     policies,
+    record_run_files,
     save_capacity,
     save_comparison,
     slo_from_args,
@@ -88,9 +91,9 @@ def _cost_per_token(args: argparse.Namespace, config: EngineConfig) -> int:
     cost = replay.cost_per_token(engine, num_tokens=args.cost_tokens, context_len=args.cost_context)
     print(f"{cost.machine}\nbatches of {cost.num_tokens} tokens, decodes with {cost.context_len} cached tokens each")
     print(cost.table())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_folder(args.out)
     (out / "cost_per_token.json").write_text(json.dumps(cost.to_dict(), indent=1))
+    record_run_files(out, [out / "cost_per_token.json"])
     print(f"wrote {out / 'cost_per_token.json'}")
     return 0
 
@@ -113,12 +116,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 def add_bench_parsers(sub: Any) -> None:
     """Add ``bench`` and ``capacity`` to the ``sarathi-lite`` subcommands."""
     b = sub.add_parser("bench", help="replay a workload online under several scheduler configurations",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     add_workload_args(b)
     add_sweep_args(b)
-    b.add_argument("--out", default="results/bench", help="folder for JSON, CSV and the plot")
+    b.add_argument("--out", default="results/bench",
+                   help="folder for JSON, CSV and the plot, which then holds this run only (default results/bench)")
     b.add_argument("--plot", action="store_true", help="also write bench.png")
-    b.add_argument("--no-progress", action="store_true")
+    add_no_progress_arg(b)
     b.add_argument("--cost-per-token", action="store_true",
                    help="instead: time decode-only, hybrid and prefill-only batches of equal size")
     b.add_argument("--cost-tokens", type=int, default=128, help="tokens per batch for --cost-per-token")
@@ -127,7 +131,9 @@ def add_bench_parsers(sub: Any) -> None:
     h.add_argument("--backend", choices=("sarathi", "openai"), default="sarathi",
                    help="sarathi: replay in-process; openai: replay over HTTP against --base-url")
     h.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000")
-    h.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    h.add_argument("--served-model-name", dest="served_model", default=None,
+                   help="model name to send (default: the server's first)")
+    add_old_spelling(h, "--served-model", "--served-model-name", dest="served_model")
     h.add_argument("--api-key", default=None, help="sent as a bearer token")
     h.add_argument("--vocab-size", type=int, default=32000,
                    help="prompt token ids are drawn below this; the model's vocabulary size replays the "
@@ -143,8 +149,9 @@ def add_bench_parsers(sub: Any) -> None:
     add_workload_args(c)
     add_sweep_args(c, chunk_sizes=False)
     add_capacity_args(c, tbt_required=True, probes=5, probes_help="runs per policy")
-    c.add_argument("--out", default="results/capacity")
-    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--out", default="results/capacity",
+                   help="folder for capacity.json, which then holds this run only (default results/capacity)")
+    add_no_progress_arg(c)
     add_threads_arg(c)
     add_engine_args(c, exclude=("tbt_slo",))  # --tbt-slo is the SLO's, and also auto's target
     c.set_defaults(func=cmd_capacity)

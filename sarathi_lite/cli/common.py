@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +32,47 @@ from sarathi_lite.scheduler import POLICIES
 # outside the scheduler's that the simulator also reads says so with ``metadata={"sim": True}``.
 SIM_FIELDS = (*SCHEDULER_FIELDS, "num_kv_blocks", "max_model_len",
               *(o.name for o in OPTIONS.values() if o.metadata.get("sim") and o.name not in SCHEDULER_FIELDS))
+
+
+_LITERAL = re.compile(r"``(.+?)``|`([^`\n]+)`", re.S)
+
+
+def plain(text: str) -> str:
+    """``text`` with its reST (and Markdown) literals rendered as plain text: ````x```` and ```x``` -> ``x``."""
+    return _LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every ``sarathi-lite`` command's help: descriptions keep their line breaks (examples, lists, continued
+    command lines), and the docstrings' and fields' reST literals are shown as plain text."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain(super()._expand_help(action))
+
+
+class _OldSpelling(argparse.Action):
+    """A flag's old spelling, hidden from the help: stores into the new flag's ``dest`` and says the new name on
+    stderr (kept for one release)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"sarathi-lite: {option_string} is now {self.new}; the old spelling goes in the next release",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_old_spelling(parser: Any, old: str, new: str, dest: str, **kwargs: Any) -> None:
+    """Accept ``old``, hidden from the help, as the flag ``new`` (whose ``dest`` it fills); ``kwargs`` as
+    ``new``'s (``type=``, ``metavar=``)."""
+    parser.add_argument(old, action=_OldSpelling, new=new, dest=dest, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS, **kwargs)
 
 
 def option_fields(config_class: type = EngineConfig) -> tuple[Option, ...]:
@@ -89,6 +132,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, fields: Iterable[str] | 
         group.add_argument(flag_name(f), **kwargs)
 
 
+def set_flag_help(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
+    """Replace the help of ``parser``'s ``flag`` (a command whose default differs from the engine's says so)."""
+    next(a for a in parser._actions if flag in a.option_strings).help = help_text
+
+
 def engine_options(args: argparse.Namespace, fields: Iterable[str] | None = None) -> dict[str, Any]:
     """The engine options given on the command line (those of ``fields`` if given), by option name."""
     names = list(OPTIONS) if fields is None else list(fields)
@@ -132,7 +180,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lengths", default=None,
                    help="synthetic lengths instead of a trace: fixed:P:O | uniform:PMIN-PMAX:OMIN-OMAX | "
                         "zipf:PMIN-PMAX:OMIN-OMAX[:THETA]")
-    g.add_argument("--num-requests", type=int, default=30)
+    g.add_argument("--num-requests", type=int, default=30,
+                   help="requests in the workload (with --turns: conversations) (default 30)")
     g.add_argument("--start", type=int, default=1000, help="first trace row")
     g.add_argument("--qps", type=float, default=0.5,
                    help="Poisson arrivals at this rate (requests/s); 0: the trace's own arrival times")
@@ -165,7 +214,10 @@ def _long_prompts(text: str) -> tuple[int, ...]:
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
-    """The ``Workload`` of ``add_workload_args``' flags."""
+    """The ``Workload`` of ``add_workload_args``' flags. Raises ``ValueError`` naming a bad flag."""
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests {args.num_requests}: need at least 1"
+                         + (" conversation" if args.turns else " request"))
     workload = _base_workload(args)
     if getattr(args, "long_prompts", None):
         workload = workload.with_long_prompts(*args.long_prompts)
@@ -214,9 +266,21 @@ def add_capacity_args(g: Any, *, tbt_required: bool, probes: int, probes_help: s
     g.add_argument("--tbt-slo", type=float, required=tbt_required, default=None,
                    help="P99 TBT bound (seconds); also the per-iteration target of --chunk-size auto")
     g.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
-    g.add_argument("--qps-low", type=float, default=0.1)
-    g.add_argument("--qps-high", type=float, default=2.0)
+    add_rate_range_args(g)
     g.add_argument("--probes", type=int, default=probes, help=probes_help)
+
+
+def add_rate_range_args(g: Any) -> None:
+    """``--qps-low`` and ``--qps-high``: the range a capacity search bisects."""
+    g.add_argument("--qps-low", type=float, default=0.1,
+                   help="lowest arrival rate the capacity search tries (requests/s; default 0.1)")
+    g.add_argument("--qps-high", type=float, default=2.0,
+                   help="highest arrival rate the capacity search tries (requests/s; default 2.0)")
+
+
+def add_no_progress_arg(p: Any) -> None:
+    """``--no-progress``: no progress bars (logs, CI)."""
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def slo_from_args(args: argparse.Namespace) -> SLO:
@@ -226,26 +290,61 @@ def slo_from_args(args: argparse.Namespace) -> SLO:
     return slo
 
 
-def save_comparison(results: Sequence[BenchResult], out_dir: str | Path, *, plot: str | None = None) -> None:
-    """Print ``compare(results)``, write them (``save_results``) and, if ``plot`` names a file, the
-    ``plot_results`` figure there, to ``out_dir``."""
-    print(compare(results))
-    paths = save_results(results, out_dir)
-    if plot:
-        paths.append(plot_results(results, Path(out_dir) / plot))
-    print(f"wrote {len(paths)} files to {out_dir}" + (f", plot {paths[-1]}" if plot else ""))
+# The list of files a run of these commands wrote into its --out folder, so the next run there can clear them.
+RUN_FILES = "run_files.json"
 
 
-def save_capacity(found: Sequence[CapacityResult], out_dir: str | Path, *, plot: bool = False) -> None:
-    """Print ``capacity_table(found)``, write ``capacity.json`` (and with ``plot`` ``capacity.png``) to
-    ``out_dir``."""
-    print(capacity_table(found))
+def fresh_folder(out_dir: str | Path) -> Path:
+    """``out_dir`` made ready for one run's files: created if missing; the files an earlier run wrote there
+    (listed in its ``run_files.json``) removed, so the folder ends up holding this run only. Raises
+    ``ValueError`` naming the folder if it holds anything else (this never deletes what it did not write)."""
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: not a folder")
     out.mkdir(parents=True, exist_ok=True)
+    listed: set[str] = set()
+    if (out / RUN_FILES).is_file():
+        listed = {*json.loads((out / RUN_FILES).read_text()), RUN_FILES}
+    others = sorted(p.name for p in out.iterdir() if p.name not in listed)
+    if others:
+        raise ValueError(f"--out {out} already holds files this command did not write ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}); give a new or empty folder")
+    for name in listed:
+        (out / name).unlink(missing_ok=True)
+    return out
+
+
+def record_run_files(out_dir: str | Path, paths: Sequence[Path]) -> None:
+    """List ``paths`` (written to ``out_dir`` by one run) in its ``run_files.json`` for ``fresh_folder``."""
+    Path(out_dir, RUN_FILES).write_text(json.dumps(sorted(Path(p).name for p in paths)))
+
+
+def save_comparison(results: Sequence[BenchResult], out_dir: str | Path | None, *, plot: str | None = None) -> None:
+    """Print ``compare(results)``; with ``out_dir``, write them (``save_results``) and, if ``plot`` names a file,
+    the ``plot_results`` figure into it, a folder holding this run only (``fresh_folder``)."""
+    print(compare(results))
+    if out_dir is None:
+        return
+    out = fresh_folder(out_dir)
+    paths = save_results(results, out)
+    if plot:
+        paths.append(plot_results(results, out / plot))
+    record_run_files(out, paths)
+    print(f"wrote {len(paths)} files to {out}" + (f", plot {paths[-1]}" if plot else ""))
+
+
+def save_capacity(found: Sequence[CapacityResult], out_dir: str | Path | None, *, plot: bool = False) -> None:
+    """Print ``capacity_table(found)``; with ``out_dir``, write ``capacity.json`` (and with ``plot``
+    ``capacity.png``) into it, a folder holding this run only (``fresh_folder``)."""
+    print(capacity_table(found))
+    if out_dir is None:
+        return
+    out = fresh_folder(out_dir)
     (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
     written = [out / "capacity.json"]
     if plot:
         written.append(plot_capacity(found, out / "capacity.png"))
+    record_run_files(out, written)
     print(f"wrote {', '.join(map(str, written))}")
 
 
@@ -258,6 +357,8 @@ def capacity_table(found: Sequence[CapacityResult]) -> str:
         probes = ", ".join(f"{p.qps:.3f}{'+' if p.passed else 'x'}: {_ms(p.tbt_p99)}/{_s(p.scheduling_delay_p50)}"
                            for p in c.probes)
         lines.append(f"{c.label:<14} {cap:>14} {fail:>9}  {probes}")
+    lines.append("probes: each rate the search tried, in order, + if it met the SLO and x if not, then the P99 TBT "
+                 "(ms) / median scheduling delay (s) it measured there; capacity is the highest rate that met it")
     return "\n".join(lines)
 
 

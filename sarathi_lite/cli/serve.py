@@ -92,16 +92,17 @@ def serve_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
 
 def add_serve_parser(sub: Any) -> None:
     """Add ``serve`` to the ``sarathi-lite`` subcommands."""
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", description=__doc__)
     p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
                    help="built-in name or checkpoint folder (same as --model)")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the checkpoint folder's name)")
-    g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   help="uvicorn's log level: critical, error, warning (default), info, debug or trace")
     g = p.add_argument_group("instances (each its own process behind a router)")
     g.add_argument("--instances", default=None, metavar="LAYOUT",
                    help="N colocated replicas, xPyD prefill and decode instances (e.g. 2P1D), or a hybrid xPHyDH "

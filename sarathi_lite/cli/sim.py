@@ -1,17 +1,5 @@
-"""``sarathi-lite sim`` and ``sarathi-lite profile``: the simulator from the command line.
-
-sim: the same workload and comparison flags as ``bench`` (``--policies`` x ``--chunk-sizes``) and the
-scheduler-side engine flags, plus ``--cost-model`` (a profile JSON from ``sarathi-lite profile``, or
-``roofline:HW[:MODEL]``); prints the same table, writes the same JSON/CSV (and with ``--plot`` a PNG).
-``--capacity`` searches each policy's capacity under ``--tbt-slo`` instead, as ``sarathi-lite capacity`` does;
-``--validate RUN.json`` predicts every iteration of real runs and prints the per-step error by batch kind and by
-step size.
-``--chunk-size auto`` (or ``auto`` among ``--chunk-sizes``) picks every budget from ``--cost-model`` itself.
-profile: time this machine's model runner over a grid of batch shapes and save the fitted cost model
-(``--quick``: about a third of the grid).
-sweep: every trace x rate x cost model x configuration (x SLO) on a local process pool or a Ray cluster
-(``sarathi_lite.sim.sweep``), written as one CSV.
-"""
+"""``sarathi-lite sim``, ``sarathi-lite profile`` and ``sarathi-lite sweep``: the simulator from the command line
+(each command's help is its description below)."""
 
 from __future__ import annotations
 
@@ -27,6 +15,8 @@ from sarathi_lite.cli.common import (
     SIM_FIELDS,
     add_capacity_args,
     add_engine_args,
+    add_no_progress_arg,
+    add_rate_range_args,
     add_sweep_args,
     add_threads_arg,
     add_workload_args,
@@ -35,7 +25,9 @@ from sarathi_lite.cli.common import (
     csv_of,
     engine_config,
     engine_options,
+    fresh_folder,
     policies,
+    record_run_files,
     save_capacity,
     save_comparison,
     slo_from_args,
@@ -49,6 +41,33 @@ from sarathi_lite.sim.validate import validate
 
 # What profile does not take: the scheduler's settings (it times batches it builds itself, and calibrates at
 # the profiler's own chunk size), the records' options, and what only serving uses (async scheduling, KV transfer).
+SIM_DESCRIPTION = """\
+Simulate a workload under several scheduler configurations: the same scheduler as the engine, its forward pass
+priced by a cost model instead of run (no model, no device; seconds, not minutes).
+
+The workload and comparison flags are bench's (--policies x --chunk-sizes), the scheduler-side engine flags too,
+plus --cost-model (a profile JSON from sarathi-lite profile, or roofline:HW[:MODEL]). Prints bench's table; with
+--out DIR also writes its JSON/CSV (and with --plot a PNG) there, a folder holding that run only. --chunk-size auto
+(or auto among --chunk-sizes) picks every step's budget from --cost-model itself.
+
+Instead of a comparison: --capacity searches each policy's capacity under --tbt-slo, as sarathi-lite capacity
+does; --validate RUN.json predicts every iteration of real runs and prints the per-step error by batch kind and by
+step size.
+
+    sarathi-lite sim --cost-model roofline:h100:llama3-8b --chunk-sizes 256,512,auto --tbt-slo 0.05
+"""
+
+PROFILE_DESCRIPTION = """\
+Time this machine's model runner over a grid of batch shapes (decodes, prompt chunks and both, at several
+contexts) and save the fitted cost model as JSON, for sim --cost-model and chunk_size auto. --quick times about a
+third of the grid. The default grid covers what the default sim workload asks of it.
+"""
+
+SWEEP_DESCRIPTION = """\
+Simulate every trace x rate x cost model x configuration (x SLO) on a local process pool or a Ray cluster
+(sarathi_lite.sim.sweep), written as one CSV; with --capacity, the capacity of each point under each SLO.
+"""
+
 _PROFILE_EXCLUDES = (*(f for f in SCHEDULER_FIELDS if f != "block_size"), "record_batches", "cost_model",
                      "async_scheduling", *(name for name, o in OPTIONS.items() if o.section == "kv_transfer"))
 
@@ -85,16 +104,19 @@ def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Workloa
 
 def _validate(args: argparse.Namespace, cost_model: CostModel) -> int:
     print(f"cost model: {_describe(cost_model.describe())}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = None if args.out is None else fresh_folder(args.out)
+    written = []
     for path in args.validate:
         check = validate(BenchResult.from_json(path), cost_model, long_context=args.long_context)
         print(f"\n{path}: {check.label}, {len(check.steps)} steps predicted ({check.unmatched} not rebuilt); "
               f"error = predicted / measured - 1, long context: > {check.long_context} tokens")
         print(check.table())
-        target = out / f"validate_{Path(path).stem}.json"
-        target.write_text(json.dumps(check.to_dict(), indent=1))
-        print(f"wrote {target}")
+        if out is not None:
+            written.append(out / f"validate_{Path(path).stem}.json")
+            written[-1].write_text(json.dumps(check.to_dict(), indent=1))
+            print(f"wrote {written[-1]}")
+    if out is not None:
+        record_run_files(out, written)
     return 0
 
 
@@ -155,7 +177,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def add_sim_parsers(sub: Any) -> None:
     """Add ``sim``, ``profile`` and ``sweep`` to the ``sarathi-lite`` subcommands."""
     s = sub.add_parser("sim", help="simulate a workload under several scheduler configurations (no model run)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=SIM_DESCRIPTION)
     s.add_argument("--cost-model", required=True,
                    help="profile JSON (sarathi-lite profile) or roofline:HW[:MODEL] (calibrated on measured GPU "
                         "timings for a100-80gb and h100; roofline-uncalibrated:HW[:MODEL] for the analytic formula), "
@@ -164,7 +186,9 @@ def add_sim_parsers(sub: Any) -> None:
                         "config.json / folder")
     add_workload_args(s)
     add_sweep_args(s)
-    s.add_argument("--out", default="results/sim", help="folder for JSON, CSV and the plot")
+    s.add_argument("--out", default=None, metavar="DIR",
+                   help="write the results (JSON, CSV, the plot) to this folder, which then holds this run only "
+                        "(default: print only, write nothing)")
     s.add_argument("--plot", action="store_true", help="also write sim.png (capacity.png with --capacity)")
     v = s.add_argument_group("cost model check (--validate)")
     v.add_argument("--validate", nargs="+", default=None, metavar="RUN.json",
@@ -181,7 +205,8 @@ def add_sim_parsers(sub: Any) -> None:
     add_engine_args(s, fields=SIM_FIELDS, exclude=("tbt_slo", "cost_model"))
     s.set_defaults(func=cmd_sim)
 
-    p = sub.add_parser("profile", help="time this machine's model runner over batch shapes; save a cost model")
+    p = sub.add_parser("profile", help="time this machine's model runner over batch shapes; save a cost model",
+                       description=PROFILE_DESCRIPTION)
     p.add_argument("--out", default="profile.json", help="where to write the cost model (JSON)")
     p.add_argument("--quick", action="store_true", help="a third of the grid (for notebooks and CI)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch shape (the median counts)")
@@ -192,15 +217,15 @@ def add_sim_parsers(sub: Any) -> None:
                    help="largest step of several whole prompts in the grid (tokens), as the unchunked policies "
                         "(vllm, orca) run them (default: 4 x --max-tokens, 2048); a simulation asking for larger "
                         "steps warns that they are extrapolated")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the profiled prompts' tokens (default 0)")
+    add_no_progress_arg(p)
     add_threads_arg(p)
     add_engine_args(p, exclude=_PROFILE_EXCLUDES)
     p.set_defaults(func=cmd_profile)
 
     w = sub.add_parser("sweep", help="simulate traces x rates x cost models x configurations x SLOs in parallel "
                                      "(process pool or Ray); one CSV",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=SWEEP_DESCRIPTION)
     w.add_argument("--cost-models", type=csv_of(str), required=True,
                    help="comma-separated cost model specs (as sim --cost-model)")
     add_workload_args(w)
@@ -212,14 +237,13 @@ def add_sim_parsers(sub: Any) -> None:
     w.add_argument("--max-scheduling-delay", type=float, default=2.0, help="median scheduling delay bound (s)")
     g = w.add_argument_group("capacity search (--capacity)")
     g.add_argument("--capacity", action="store_true", help="per point and SLO, search the highest rate meeting it")
-    g.add_argument("--qps-low", type=float, default=0.1)
-    g.add_argument("--qps-high", type=float, default=2.0)
+    add_rate_range_args(g)
     g.add_argument("--probes", type=int, default=8, help="simulations per capacity search")
     r = w.add_argument_group("where it runs")
     r.add_argument("--backend", choices=("process", "serial", "ray"), default=None,
                    help="default: process, or ray when --address is given")
     r.add_argument("--address", default=None, help="a Ray cluster's address (ray.init(address=...))")
     r.add_argument("--workers", type=int, default=None, help="processes of the local pool (default: CPU count)")
-    r.add_argument("--no-progress", action="store_true")
+    add_no_progress_arg(r)
     w.add_argument("--out", default="results/sweep.csv", help="the CSV to write")
     w.set_defaults(func=cmd_sweep)

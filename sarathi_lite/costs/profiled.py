@@ -189,7 +189,8 @@ class ProfiledCostModel(CostModel):
             asked = ", ".join(f"{k} {v:.0f} (largest measured {m:.0f})" for k, (v, m) in beyond.items())
             warnings.warn(f"the simulation asks the profile for a step beyond what was measured: {asked}; its time "
                           f"is extrapolated (within {100 * bound:.0f}% up to {factor:g}x the measured tokens, "
-                          f"unbounded beyond); profile with a larger --max-step-tokens to measure such steps",
+                          f"unbounded beyond); to measure such steps, profile with a larger max_step_tokens "
+                          f"(sarathi-lite profile --max-step-tokens N, or profile(max_step_tokens=N))",
                           stacklevel=2)
         if self.jitter:  # inverse-CDF draw, linear between the quantiles
             x = self._rng.random() * (len(self.jitter) - 1)
@@ -230,6 +231,16 @@ class ProfiledCostModel(CostModel):
 
     @classmethod
     def load(cls, path: str | Path) -> ProfiledCostModel:
-        model = cls.from_dict(json.loads(Path(path).read_text()))
+        """The profile saved at ``path``. Raises ``ValueError`` naming the file for one that is not JSON, not a
+        profile, or misses a key."""
+        try:
+            model = cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cost model file {str(path)!r} is not JSON ({e})") from None
+        except KeyError as e:
+            raise ValueError(f"cost model file {str(path)!r} misses the key {e} (write it again with sarathi-lite "
+                             f"profile)") from None
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"cost model file {str(path)!r}: {e}") from None
         model.meta["file"] = str(path)
         return model

@@ -33,7 +33,10 @@ def load_cost_model(spec: str | Path) -> CostModel:
         if (preset if x and count.isdigit() else hw).lower() in CALIBRATED_HARDWARE:
             return calibrated(hw, model or "llama3-8b")
         return roofline(hw, model or "llama3-8b")
-    if not Path(text).is_file():
-        raise ValueError(f"cost model {text!r} is neither a profile JSON file nor roofline:HW[:MODEL] / "
-                         f"roofline-uncalibrated:HW[:MODEL]")
-    return ProfiledCostModel.load(text)
+    if ":" not in text or text.endswith(".json") or Path(text).exists():
+        if not Path(text).is_file():
+            raise ValueError(f"cost model file {text!r} not found (make one with sarathi-lite profile --out "
+                             f"{text}, or give roofline:HW[:MODEL])")
+        return ProfiledCostModel.load(text)
+    raise ValueError(f"cost model {text!r} is neither a profile JSON file nor roofline:HW[:MODEL] / "
+                     f"roofline-uncalibrated:HW[:MODEL]")

@@ -29,11 +29,13 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, disaggregation: Any = None, processes: bool = True,
-                 **engine_options: Any) -> None:
+                 data_parallel_size: int | None = None, **engine_options: Any) -> None:
         # disaggregation (issue 25): "2" colocated replicas, "1P1D", or a routing.Layout; None: one engine.
+        # data_parallel_size=N: N colocated replicas, as serve's --data-parallel-size (disaggregation=str(N)).
         # processes: each instance in its own process (ProcessEngine: own weights, K/V over gloo), or all in
         # this one sharing the weights (DisaggregatedEngine). Options of either (prefill_options=, num_threads=,
         # ...) pass through.
+        disaggregation = replicas_layout(data_parallel_size, disaggregation)
         if disaggregation is None:
             self.engine = LLMEngine(model, **engine_options)
         elif processes:
@@ -107,10 +109,18 @@ class LLM:
             raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (or a list of "
                              f"such lists); got {messages!r:.80}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        checked = [chat_messages(c, "messages" if len(conversations) == 1 else f"messages[{i}]")
-                   for i, c in enumerate(conversations)]
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in checked]
-        return self.generate([tok(p, add_special_tokens=False).input_ids for p in prompts], params, use_tqdm)
+        where = ["messages" if len(conversations) == 1 else f"messages[{i}]" for i in range(len(conversations))]
+        return self.generate([self.chat_token_ids(c, w) for c, w in zip(conversations, where)], params, use_tqdm)
+
+    def chat_token_ids(self, conversation: Sequence[Message], where: str = "messages") -> list[int]:
+        """The prompt token ids of one conversation under the model's chat template, ending where the assistant
+        answers (what ``chat`` generates from). Raises ``ValueError`` naming ``where`` for bad messages."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"the model at {self.engine.model_path} has no chat template")
+        text = tok.apply_chat_template(chat_messages(conversation, where), tokenize=False,
+                                       add_generation_prompt=True)
+        return tok(text, add_special_tokens=False).input_ids
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix; returns the KV blocks dropped (see ``LLMEngine``)."""
@@ -180,6 +190,18 @@ class LLM:
             chosen[0].outputs = chosen if len(g.ids) > 1 else None
             outs.append(chosen[0])
         return outs
+
+
+def replicas_layout(data_parallel_size: int | None, disaggregation: Any = None) -> Any:
+    """The instance layout of ``data_parallel_size`` replicas (``"N"``; ``None``, one engine, for 1), or
+    ``disaggregation`` when no size is given. Raises ``ValueError`` for a size below 1 or both given."""
+    if data_parallel_size is None:
+        return disaggregation
+    if disaggregation is not None:
+        raise ValueError("give disaggregation= or data_parallel_size=, not both")
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an integer >= 1")
+    return str(data_parallel_size) if data_parallel_size > 1 else None
 
 
 class _Group:

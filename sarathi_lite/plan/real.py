@@ -139,6 +139,7 @@ def _engine(result: Plan, entry: Entry, threads: int) -> Any:
     llm = dict(result.launch(entry)["llm"])
     model = llm.pop("model")
     llm.pop("disaggregation", None)
+    llm.pop("data_parallel_size", None)
     prefill = llm.pop("prefill_options", None)
     layout = Layout.parse(cand.layout, threshold=cand.threshold)
     return ProcessEngine(model, instances=layout, prefill_options=prefill, num_threads=threads, device="cpu", **llm)

@@ -38,14 +38,31 @@ def table(result: Plan, top: int | None = None) -> str:
              "arguments |", "|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(result.entries[:top] if top else result.entries, 1):
         run = result.launch(e)
-        args = shlex.join(["sarathi-lite", *run["serve"]])
-        if run["note"]:
-            args += f" ({run['note']})"
+        args = f"`{shlex.join(['sarathi-lite', *run['serve']])}`" + (f" (note: {run['note']})" if run["note"] else "")
         lines.append(f"| {i} | {e.label} | {e.num_gpus} | {e.goodput:.2f} | {_rate(e)} | "
-                     f"{e.error or e.limiting} | {'yes' if e.refined else 'no'} | `{args}` |")
+                     f"{e.error or e.limiting} | {'yes' if e.refined else 'no'} | {args} |")
+    lines += ["", "bracket: the last probed rate that met the SLOs and the first that did not (per GPU); the "
+              "goodput is interpolated inside it. refined: yes if fine probes narrowed the bracket; no if its "
+              "first failing rate was already at or below the best entry's last holding rate (it cannot win)."]
+    lines += [f"Ranks {first}-{last} share the bracket {bracket}: their order is interpolation inside it, not a "
+              f"measured difference (a tie)." for first, last, bracket in ties(result, top)]
     if result.skipped:
         lines += ["", "Did not fit: " + "; ".join(f"{shape}: {why}" for shape, why in result.skipped)]
     return "\n".join(lines)
+
+
+def ties(result: Plan, top: int | None = None) -> list[tuple[int, int, str]]:
+    """Runs of consecutive entries (ranks from 1, within ``top``) whose brackets are the same: ``(first rank,
+    last rank, the bracket as the table shows it)``."""
+    shown = result.entries[:top] if top else result.entries
+    runs: list[tuple[int, int, str]] = []
+    for rank, entry in enumerate(shown, 1):
+        bracket = _rate(entry)
+        if runs and runs[-1][2] == bracket and runs[-1][1] == rank - 1:
+            runs[-1] = (runs[-1][0], rank, bracket)
+        else:
+            runs.append((rank, rank, bracket))
+    return [r for r in runs if r[1] > r[0] and "-" in r[2]]
 
 
 def summary(results: list[Plan]) -> str:
@@ -113,7 +130,8 @@ def plot(result: Plan, path: str | Path, top: int | None = 20) -> Path:
     ax.set_xlabel("goodput per GPU (requests/s)")
     ax.set_title(f"{s.model}, {s.gpus} x {s.gpu}: TTFT {s.ttft:g} s, P99 TBT {s.tbt * 1000:g} ms, "
                  f"{s.attainment:.0%}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    # beside the axes, not on them: the best entries' bars and brackets reach the right edge
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

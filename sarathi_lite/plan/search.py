@@ -222,6 +222,8 @@ class Plan:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     wall_time: float = 0.0
     limits: tuple[int, int] = (300, 1500)
+    stopped: str = ""
+    """Empty for a whole search; else how far a search stopped early (Ctrl-C) got: its entries are those."""
 
     @property
     def num_probes(self) -> int:
@@ -237,6 +239,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"setup": asdict(self.setup), "workload": self.workload, "limits": list(self.limits),
+                "stopped": self.stopped,
                 "wall_time": self.wall_time, "num_probes": self.num_probes, "skipped": self.skipped,
                 "entries": [{"label": e.label, "candidate": asdict(e.candidate), "num_gpus": e.num_gpus,
                              "goodput_per_gpu": e.goodput, "limiting": e.limiting, "refined": e.refined,
@@ -278,26 +281,31 @@ def plan_slos(setup: Setup, workload: Workload, slos: Sequence[tuple[float, floa
     limits = (min_requests, max_requests)
     start = start_rate(setup, workload)
     tasks = [_Task(tuple(setups[i] for i in idx), c, workload, limits, start=start) for c, idx in judged.items()]
+    coarse, stopped = _run(_coarse, tasks, "coarse", backend, workers, address, progress)
     entries: dict[Candidate, dict[int, Entry]] = {
         c: {i: Entry(c, sorted(p, key=lambda q: q.rate), setups[i].attainment, error=err)
             for i, p in zip(judged[c], per_setup)}
-        for c, per_setup, err in _run(_coarse, tasks, "coarse", backend, workers, address, progress)}
+        for c, per_setup, err in coarse}
+    note = f"{len(entries)} of {len(tasks)} candidates searched, none refined" if stopped else ""
     floors = [max([(e[i].bracket()[0] or 0.0) / e[i].num_gpus for e in entries.values() if i in e and not e[i].error]
                   or [0.0]) for i in range(len(setups))]
     todo = []
-    for c, per_setup in entries.items():
+    for c, per_setup in entries.items() if not stopped else ():
         brackets = tuple(_refine(e, floors[i]) if fine_probes else None for i, e in per_setup.items())
         if any(b is not None for b in brackets):
             todo.append(_Task(tuple(setups[i] for i in per_setup), c, workload, limits, brackets=brackets,
                               num_probes=fine_probes))
-    for c, per_setup, _ in _run(_fine, todo, "fine", backend, workers, address, progress):
+    fine, stopped = _run(_fine, todo, "fine", backend, workers, address, progress)
+    for c, per_setup, _ in fine:
         for e, probes in zip(entries[c].values(), per_setup):
             if probes:
                 e.probes = sorted(e.probes + probes, key=lambda q: q.rate)
                 e.refined = True
+    if stopped:
+        note = f"all {len(tasks)} candidates searched, {len(fine)} of {len(todo)} refined"
     seconds = time.perf_counter() - wall
     return [Plan(s, sorted((e[i] for e in entries.values() if i in e), key=lambda e: (-e.goodput, e.label)),
-                 workload.describe(), spaces[i].skipped, seconds, limits) for i, s in enumerate(setups)]
+                 workload.describe(), spaces[i].skipped, seconds, limits, note) for i, s in enumerate(setups)]
 
 
 def _refine(entry: Entry, floor: float) -> tuple[float, float] | None:
@@ -309,12 +317,16 @@ def _refine(entry: Entry, floor: float) -> tuple[float, float] | None:
 
 
 def _run(fn: Any, tasks: list[_Task], phase: str, backend: str | None, workers: int | None, address: str | None,
-         progress: bool) -> list[_Found]:
+         progress: bool) -> tuple[list[_Found], bool]:
+    """The tasks' outcomes, and whether a Ctrl-C stopped the phase early (the outcomes are then those finished)."""
     from tqdm.auto import tqdm
 
     out = []
     with tqdm(total=len(tasks), desc=f"plan: {phase}", unit="candidate", disable=not progress or not tasks) as bar:
-        for done in run_tasks(fn, tasks, backend=backend, workers=workers, address=address):
-            out.append(done)
-            bar.update(1)
-    return out
+        try:
+            for done in run_tasks(fn, tasks, backend=backend, workers=workers, address=address):
+                out.append(done)
+                bar.update(1)
+        except KeyboardInterrupt:
+            return out, True
+    return out, False

@@ -45,6 +45,8 @@ PROFILE_DECODE_BATCH = 8
 """Decodes per step ``start_rate`` assumes when a measured profile prices the instances."""
 LLAMA3_8B_BYTES = 16.06e9
 """Llama-3-8B's weights in bf16 (bytes), the reference of ``start_rate``."""
+MAX_CANDIDATES = 1000
+"""The most candidates one search takes (each is simulated at several rates): ``space`` refuses more."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,9 @@ def cost_spec(setup: Setup, tp: int) -> str:
     """The ``cost_model`` text (``roofline:2xh100:llama3-8b``, or the profile's path) the engine's ``auto`` budget
     loads for it."""
     if setup.profile is not None:
-        return setup.profile
+        # as given, when the printed commands find it from where plan ran; absolute when it lies above (../)
+        path = Path(setup.profile)
+        return str(path.resolve()) if ".." in path.parts else str(path)
     return f"roofline:{f'{tp}x' if tp > 1 else ''}{setup.gpu.lower()}:{setup.model}"
 
 
@@ -202,6 +206,11 @@ def space(setup: Setup) -> Space:
                 out.skipped.append((f"tp{tp} pp{pp}", str(e)))
                 continue
             out.candidates += _organizations(setup, n, tp, pp)
+            if len(out.candidates) > MAX_CANDIDATES:
+                raise ValueError(f"gpus={setup.gpus}: more than {MAX_CANDIDATES} candidate deployments (each is "
+                                 f"simulated at several rates); plan for fewer GPUs (goodput is per GPU: plan one "
+                                 f"group, then run copies of it), or narrow the space (--max-degree, "
+                                 f"fewer --chunk-sizes, --no-hybrid, --conditional-threshold -1)")
     if not out.candidates:
         reasons = "; ".join(f"{shape}: {why}" for shape, why in out.skipped) or "no instance shape to try"
         raise ValueError(f"model={setup.model!r} fits no deployment on gpus={setup.gpus} x gpu={setup.gpu!r} "
@@ -303,7 +312,7 @@ def launch(setup: Setup, cand: Candidate) -> dict[str, Any]:
     serve = ["serve", model]
     notes = []
     if cand.colocated and cand.instances > 1:
-        llm["disaggregation"] = repr(str(cand.instances))
+        llm["data_parallel_size"] = cand.instances
         serve += ["--data-parallel-size", str(cand.instances)]
     elif not cand.colocated:
         llm["disaggregation"] = (f"Layout.parse({cand.layout!r}, threshold={cand.threshold})"
@@ -315,7 +324,8 @@ def launch(setup: Setup, cand: Candidate) -> dict[str, Any]:
             llm["prefill_options"] = {"chunk_size": cand.prefill_chunk}
             serve += ["--prefill-chunk-size", str(cand.prefill_chunk)]
     if cand.instances > 1 and cand.tp * cand.pp > 1:
-        notes.append("instances as processes run tensor/pipeline degree 1 only (engine.instances)")
+        notes.append("this engine runs instances as processes at tensor/pipeline degree 1 only "
+                     "(engine.instances): the command shows the planned shape")
     llm.update(common)
     serve += _flags(common)
     return {"llm": llm, "serve": serve, "note": "; ".join(notes)}

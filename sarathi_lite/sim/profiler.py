@@ -4,10 +4,11 @@
 Three parts, all on one ``LLMEngine`` (needs torch and the model):
 
 1. the grid: decode-only batches (1 to 64 decodes, varied contexts), prompt-chunk-only batches (one or two chunks
-   of varied size and cached context), hybrids, and steps of several whole prompts up to 2,048 tokens (what the
-   unchunked policies run), built directly as ``SchedulerOutput``s on the engine's KV pool
-   (its contents do not matter for timing); after one warm-up run of the largest, all are run in ``repeats``
-   passes and each batch's median time of ``ModelRunner.execute`` counts;
+   of varied size and cached context), hybrids, and steps of several whole prompts up to 4,096 tokens (2,048
+   with ``quick``; what the unchunked policies run), built directly as ``SchedulerOutput``s on the engine's KV
+   pool (its contents do not matter for timing); after one warm-up run of the largest, all are run in
+   ``repeats`` passes (steps above 2,048 tokens, seconds long each, in the first only) and each batch's median
+   time of ``ModelRunner.execute`` counts;
 2. the fit: the token curve at ``token_knots`` up to the largest batch, and the ``TERMS`` coefficients, by
    non-negative least squares on the squared relative error of each batch's median time; every fifth hybrid
    shape is held out and its error reported; the spread of the single runs around the fit becomes the model's
@@ -25,6 +26,7 @@ import logging
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,8 @@ from sarathi_lite.sim.cost_model import fit_profile, fit_quality, nnls
 logger = logging.getLogger(__name__)
 
 HOLDOUT_EVERY = 5
+# Steps above this many tokens last seconds each on a CPU: timed in one pass only (time_outputs).
+LONG_STEP_TOKENS = 2048
 JITTER_QUANTILES = 21  # every 5th percentile
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 # The calibration run's chunk size: part of the profiling method (its batches mix chunks and decodes like a
@@ -58,8 +62,9 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
     ``token_knots`` size up to ``max_decodes``, contexts drawn up to a small, medium or full cap), chunk-only
     batches (each knot from 16 to ``max_tokens``, as one chunk and as two; cached context 0 or drawn) and hybrids
     (twice per knot: a random number of decodes plus one or two chunks filling it); then the whole-prompt steps
-    (``whole_prompt_shapes``) up to ``max_step_tokens`` (default ``4 * max_tokens``: 2,048, vLLM's default
-    budget for a step of whole prompts).
+    (``whole_prompt_shapes``) up to ``max_step_tokens`` (default ``8 * max_tokens``, 4,096: the steps the
+    default ``sarathi-lite sim`` workload asks of the unchunked policies, about 3,000 tokens, are measured, not
+    extrapolated; with ``quick``, ``4 * max_tokens``, 2,048, vLLM's default budget for a step of whole prompts).
 
     quick (for a notebook or CI): fewer shapes, but the same corners, placed rather than drawn, since with about
     as many shapes as fitted values a random draw that misses a corner leaves its term to extrapolation: decode-only
@@ -71,7 +76,9 @@ def profile_grid(*, max_tokens: int = 512, max_context: int = 1024, max_decodes:
     rng = np.random.default_rng(seed)
     caps = (max(max_context // 16, 1), max(max_context // 4, 1), max_context)
     budgets = [b for b in token_knots(max_tokens) if b >= 16]
-    whole = whole_prompt_shapes(max_tokens, 4 * max_tokens if max_step_tokens is None else max_step_tokens, quick)
+    if max_step_tokens is None:
+        max_step_tokens = (4 if quick else 8) * max_tokens
+    whole = whole_prompt_shapes(max_tokens, max_step_tokens, quick)
     if quick:
         shapes = _quick_grid(budgets, max_context, max_decodes, caps, rng) + whole
         return [shapes[i] for i in rng.permutation(len(shapes))]
@@ -146,9 +153,10 @@ def token_knots(limit: int) -> list[int]:
 
 
 def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repeats: int = 3,
-                 progress: bool = True) -> list[list[float]]:
-    """Seconds of ``engine.runner.execute`` per batch (``repeats`` runs each), timed in ``repeats`` passes
-    through all of them after one warm-up run of the largest batch (which sizes the attention backend's
+                 progress: bool = True, once_above: int = LONG_STEP_TOKENS) -> list[list[float]]:
+    """Seconds of ``engine.runner.execute`` per batch (``repeats`` runs each; one for a batch of more than
+    ``once_above`` tokens, which lasts seconds, so one run's noise is small against it), timed in ``repeats``
+    passes through all of them after one warm-up run of the largest batch (which sizes the attention backend's
     buffers). Passes rather than back-to-back repeats: a slow spell of a shared machine then hits one run of
     several batches instead of every run of one."""
     if engine.has_unfinished_requests():
@@ -160,12 +168,15 @@ def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repea
         return time.perf_counter() - t0
 
     run(max(outputs, key=lambda o: (o.num_batched_tokens, len(o.scheduled))))
-    with tqdm(total=repeats * len(outputs), desc="profile", unit="batch", leave=False, disable=not progress) as bar:
-        passes = []
-        for _ in range(repeats):
-            passes.append([run(out) for out in outputs])
-            bar.update(len(outputs))
-    return [list(runs) for runs in zip(*passes)]
+    timed = [[i for i, out in enumerate(outputs) if k == 0 or out.num_batched_tokens <= once_above]
+             for k in range(repeats)]
+    runs: list[list[float]] = [[] for _ in outputs]
+    with tqdm(total=sum(map(len, timed)), desc="profile", unit="batch", leave=False, disable=not progress) as bar:
+        for batch in timed:
+            for i in batch:
+                runs[i].append(run(outputs[i]))
+                bar.update(1)
+    return runs
 
 
 @dataclass(slots=True)
@@ -264,10 +275,25 @@ def fit_cost_model(terms: Sequence[Sequence[float]], runs: Sequence[Sequence[flo
     model = ProfiledCostModel(knots, [t + float(host[0]) for t in forward.token_times], coefficients,
                               schedule_constant=float(sched[0]), schedule_per_request=float(sched[1]),
                               step_gap=float(np.median(calibration.gaps)) if calibration.gaps else 0.0)
+    warn_degenerate(forward.coefficients)
     quality["engine_steps"] = fit_quality([model.predict(o).step_time for o in calibration.outputs],
                                           calibration.step_times)
     ratios = [t / p for r, p, h in zip(runs, predicted, held) if not h for t in r]
     return dataclasses.replace(model, jitter=np.quantile(ratios, np.linspace(0, 1, JITTER_QUANTILES))), quality
+
+
+def warn_degenerate(coefficients: dict[str, float]) -> list[str]:
+    """The ``TERMS`` the forward fit left at no cost (non-negative least squares clipped them at 0), each a
+    ``UserWarning``: the grid's timings could not tell that work apart (often a machine busy with other work),
+    and the simulator would price it at nothing."""
+    zero = [t for t in TERMS if coefficients.get(t, 0.0) <= 0.0]
+    if zero:
+        warnings.warn(f"the profile's fit gave {', '.join(zero)} no cost (the timings could not separate "
+                      f"{'them' if len(zero) > 1 else 'it'}; the simulator would price that work at nothing): "
+                      f"profile again on a quieter machine with one torch thread and more repeats (sarathi-lite "
+                      f"profile --threads 1 --repeats 5, or torch.set_num_threads(1) and profile(..., repeats=5))",
+                      stacklevel=2)
+    return zero
 
 
 def grid_outputs(engine: LLMEngine, shapes: Sequence[BatchShape], seed: int = 0) -> list[SchedulerOutput]:

@@ -31,6 +31,7 @@ Torch-free; pandas is needed for the frame, tqdm draws the progress bar, Ray onl
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import lru_cache
@@ -195,12 +196,26 @@ def _execute(todo: list[Any], backend: str, address: str | None, workers: int | 
     if backend == "serial":
         yield from map(fn, todo)
     elif backend == "process":
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # Ctrl-C reaches the caller alone (the workers ignore it): the caller may keep what finished, and the
+        # pool stops at once, its queued tasks cancelled and its workers ended, instead of running them out.
+        pool = ProcessPoolExecutor(max_workers=workers, initializer=_ignore_interrupts)
+        try:
             futures = [pool.submit(fn, t) for t in todo]
             for f in as_completed(futures):
                 yield f.result()
+        except BaseException:
+            workers_left = list((pool._processes or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in workers_left:
+                process.terminate()
+            raise
+        pool.shutdown()
     else:
         yield from _ray(todo, address, ray_options, fn)
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _ray(todo: list[Any], address: str | None, ray_options: Mapping[str, Any], fn: Callable[[Any], Any]
