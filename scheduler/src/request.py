@@ -44,11 +44,11 @@ class Request:
     num_prefill_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: str | None = None
     seq: int = -1  # arrival order within one scheduler; set by Scheduler.add
     num_cached_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
     num_committed_blocks: int = 0
     num_external_tokens: int = 0
     num_in_flight: int = 0
