@@ -64,7 +64,7 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     decode = RequestView("d", 30, 31, 30, 2)
     plan = plan_step([long, decode], [short], config)
     assert long_share(config, 63, 936) == 16  # a quarter of the 64-token chunk (63 prefill tokens beside a decode)
-    # the long prompt gets what the short one leaves (as ShortPromptProtection gives it), more than its share
+    # the long prompt gets what the short one leaves, more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
     # short prompts that need more than the budget less the share: the long prompts are held to their share
     # (in a step after one they were held out of: see the next test)
