@@ -16,7 +16,7 @@ token's time is recorded (``record_timestamps``). Workloads: the long-tail mix (
 most 1,024 tokens) at ``--conversation-qps``. Systems run in alternating order round by round; the load average
 is recorded before every run. The long-tail rounds are also pooled (``vllm_plugin.pooled``).
 
-    python benchmarks/transformers_cb.py            # about 30 minutes on 2 cores
+    python benchmarks/transformers_cb.py            # about 40 minutes on 2 cores under a load average of 7
     python benchmarks/transformers_cb.py --quick    # a check of the script (a few minutes)
 
 Prints a table and writes ``--out`` (JSON: command, date, commit, machine, load averages).
@@ -160,7 +160,7 @@ def table(rows: list[dict[str, Any]], pooled_cells: dict[str, dict[str, Any]]) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=SYSTEMS)
-    p.add_argument("--budget", type=int, default=256, help="transformers' max_batch_tokens (and sarathi's chunk)")
+    p.add_argument("--budget", type=int, default=512, help="transformers' max_batch_tokens (and sarathi's chunk)")
     p.add_argument("--tbt-slo", type=float, default=3.0,
                    help="seconds, for sarathi-auto (above the ~2 s every step with prefill takes here)")
     p.add_argument("--cost-model", default=str(ROOT / "benchmarks" / "results" / "sim_profile_smollm2_2026-12-06.json"))
@@ -171,9 +171,9 @@ def main() -> None:
     p.add_argument("--qps", type=float, default=0.2, help="the long-tail mix's rate (requests/s)")
     p.add_argument("--long-prompt", type=int, default=3000)
     p.add_argument("--long-every", type=int, default=8)
-    p.add_argument("--conversation-requests", type=int, default=12)
+    p.add_argument("--conversation-requests", type=int, default=8)
     p.add_argument("--conversation-qps", type=float, default=0.2)
-    p.add_argument("--conversation-rounds", type=int, default=1, help="the first rounds also run it")
+    p.add_argument("--conversation-rounds", type=int, default=1)
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--quick", action="store_true", help="one round of 8 requests each: a check of the script")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "transformers_cb.json"))
@@ -189,32 +189,35 @@ def main() -> None:
     warm_up(model, vocab, args)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for rnd in range(args.rounds):
-            workloads = {"long-tail": long_tail(Path(tmp), rnd, args.num_requests, args.qps, args.long_prompt,
-                                                args.long_every)}
-            if rnd < args.conversation_rounds:
-                workloads["conversation"] = Workload.from_trace(
-                    "conversation", num_requests=args.conversation_requests, qps=args.conversation_qps,
-                    prompt_scale=0.25, output_scale=0.25, max_prompt=1024, max_output=128, seed=rnd)
-            order = args.systems[rnd % len(args.systems):] + args.systems[:rnd % len(args.systems)]
-            for wl_name, wl in workloads.items():
-                prompts = wl.prompt_token_ids(vocab)
-                for system in order:
-                    load = os.getloadavg()[0]
-                    print(f"round {rnd} {wl_name} {system} (load {load:.2f}) ...", flush=True)
-                    requests = run_online(model, wl, prompts, scheduler_name(system, args), args)
-                    cells = summarize(requests, args.long_prompt)
-                    rows.append({"workload": wl_name, "round": rnd, "system": system, "load_before": load,
-                                 **cells})
-    pooled_cells = pooled(rows)
-    print(table(rows, pooled_cells))
-    result = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        # the long-tail rounds first (the issue's bar), then the conversation rounds
+        plan = [(rnd, "long-tail", long_tail(Path(tmp), rnd, args.num_requests, args.qps, args.long_prompt,
+                                             args.long_every)) for rnd in range(args.rounds)]
+        plan += [(rnd, "conversation", Workload.from_trace(
+            "conversation", num_requests=args.conversation_requests, qps=args.conversation_qps, prompt_scale=0.25,
+            output_scale=0.25, max_prompt=1024, max_output=128, seed=rnd)) for rnd in range(args.conversation_rounds)]
+        for rnd, wl_name, wl in plan:
+            prompts = wl.prompt_token_ids(vocab)
+            for system in args.systems[rnd % len(args.systems):] + args.systems[:rnd % len(args.systems)]:
+                load = os.getloadavg()[0]
+                print(f"round {rnd} {wl_name} {system} (load {load:.2f}) ...", flush=True)
+                requests = run_online(model, wl, prompts, scheduler_name(system, args), args)
+                rows.append({"workload": wl_name, "round": rnd, "system": system, "load_before": load,
+                             **summarize(requests, args.long_prompt)})
+                write(args, command, head, started, rows)
+    print(table(rows, pooled(rows)))
+    print(f"wrote {args.out}")
+
+
+def write(args: argparse.Namespace, command: str, head: str | None, started: float, rows: list[dict[str, Any]]
+          ) -> None:
+    """Write the result so far (after every run: a run cut short keeps what it measured)."""
+    date = datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(timespec="minutes")
+    result = {"command": command, "date": date,
               "commit": head, "machine": machine(), "wall_s": round(time.time() - started),
               "transformers": __import__("transformers").__version__,
               "settings": {k: portable_arg(str(v)) if k in ("cost_model", "out") else v for k, v in vars(args).items()},
-              "load_average_end": os.getloadavg(), "long_tail_pooled": pooled_cells, "rows": rows}
+              "load_average_end": os.getloadavg(), "long_tail_pooled": pooled(rows), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from sarathi_lite.integrations.transformers import (
     register,
 )
 
+from .step_log import decodes_first_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [300, 20, 150, 5, 90, 420, 12, 64]
 NEW_TOKENS = 12
@@ -76,20 +78,6 @@ def generate(model, prompts: list[list[int]], config: ContinuousBatchingConfig, 
     return [done[i] for i in ids], scheduler
 
 
-def _assert_decodes_first(steps: list[dict]) -> int:
-    """No decode left out of a step that scheduled prefill tokens (one whose KV blocks ran out excepted); returns
-    how many steps mixed decodes with prefill."""
-    mixed = 0
-    for step in steps:
-        scheduled = step["scheduled"]
-        prefill = sum(n for rid, n in scheduled.items() if rid not in step["decodes"])
-        if prefill:
-            left_out = [r for r in step["decodes"] if r not in scheduled and r not in step["starved"]]
-            assert not left_out, step
-            mixed += bool(step["decodes"])
-    return mixed
-
-
 @pytest.fixture(scope="module")
 def models(tiny_checkpoints):
     return {kind: _load(tiny_checkpoints[kind]) for kind in ("llama", "qwen2")}
@@ -127,7 +115,7 @@ def test_greedy_tokens_equal_fifo_with_chunked_prompts_and_evictions(models, fif
     chunked = {rid for step in steps for rid, n in step["scheduled"].items()
                if rid not in step["decodes"] and n < step["new"].get(rid, [n + 1])[0]}
     assert chunked, "no prompt was split over steps"
-    assert _assert_decodes_first(steps), "no step mixed decodes with prefill tokens"
+    assert decodes_first_steps(steps, "starved"), "no step mixed decodes with prefill tokens"
     assert max(sum(s["scheduled"].values()) for s in steps) <= 64
 
 
@@ -231,7 +219,7 @@ def test_smollm2_greedy_tokens_equal_fifo():
     name = register("sarathi-test-smollm2", chunk_size=64)
     ours, scheduler = generate(model, prompts, ContinuousBatchingConfig(scheduler_type=name, **config), 16)
     assert ours == fifo
-    assert _assert_decodes_first(list(scheduler.step_log))
+    assert decodes_first_steps(list(scheduler.step_log), "starved")
 
 
 def test_bad_options_are_refused_naming_the_value(models, cost_model):
@@ -250,6 +238,20 @@ def test_bad_options_are_refused_naming_the_value(models, cost_model):
     with pytest.raises(ValueError, match="chunk_size=512 is larger than transformers' max_batch_tokens=64"):
         models["llama"].generate_batch(_prompts(0, 320, [8]), generation_config=_greedy(2),
                                        continuous_batching_config=_config(name))
+
+
+def test_auto_is_refused_under_tensor_parallelism_where_ranks_would_time_steps_apart(models, cost_model,
+                                                                                     monkeypatch):
+    name = register("sarathi-test-tp", chunk_size="auto", tbt_slo=0.1, cost_model=cost_model)
+    manager = models["llama"].init_continuous_batching(generation_config=_greedy(2), continuous_batching_config=_config(
+        "fifo"))
+    manager.warmup()  # builds transformers' cache (and its own scheduler)
+    cache = manager.batch_processor.cache
+    SCHEDULER_MAPPING[name](cache, None, 16)  # one process: accepted
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="tensor-parallel ranks"):
+        SCHEDULER_MAPPING[name](cache, None, 16)
+    manager.destroy()
 
 
 def test_unsupported_transformers_versions_are_refused_naming_both():

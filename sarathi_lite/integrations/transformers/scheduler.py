@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -92,6 +93,10 @@ class SarathiScheduler(Scheduler):
             raise ValueError(f"sarathi_lite chunk_size={chunk_size} is larger than transformers' max_batch_tokens="
                              f"{limit} (which sizes its buffers): raise ContinuousBatchingConfig(max_batch_tokens=...) "
                              f"or lower chunk_size")
+        if chunk_size == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("sarathi_lite chunk_size='auto' sizes each step on this process's measured step times, "
+                             "which differ between tensor-parallel ranks (each runs its own scheduler, and their "
+                             "steps must agree): use a fixed chunk_size with tensor parallelism")
         page = min(a.tokens_per_page for a in cache.cache_allocators.values())
         max_model_len = getattr(cache.config, "max_position_embeddings", None) or cache.num_blocks * page
         return build_options(raw, POLICIES, chunk_size=chunk_size, max_num_batched_tokens=limit,
