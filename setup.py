@@ -13,7 +13,7 @@ setup(
     packages=["sarathi_lite", "sarathi_lite.models", "sarathi_lite.engine", "sarathi_lite.bench",
               "sarathi_lite.bench.traces", "sarathi_lite.costs", "sarathi_lite.sim", "sarathi_lite.cli",
               "sarathi_lite.scheduler", "sarathi_lite.kernels", "sarathi_lite.server", "sarathi_lite.integrations",
-              "sarathi_lite.integrations.vllm", "sarathi_lite.plan"],
+              "sarathi_lite.integrations.vllm", "sarathi_lite.integrations.transformers", "sarathi_lite.plan"],
     package_data={"sarathi_lite.bench.traces": ["*.csv", "README.md", "LICENSE"],
                   "sarathi_lite.costs": ["data/*.json", "data/README.md", "data/LICENSE"],
                   "sarathi_lite.kernels": ["csrc/*.c"]},

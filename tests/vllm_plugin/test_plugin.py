@@ -11,6 +11,7 @@ from vllm import SamplingParams
 from sarathi_lite.costs import ProfiledCostModel
 from sarathi_lite.integrations.vllm import SarathiScheduler, check_vllm_version, parse_options
 
+from ..step_log import decodes_first_steps
 from .conftest import close, make_llm, scheduler_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
@@ -72,19 +73,6 @@ def _steps(llm, since: int = 0) -> list[dict]:
     return list(scheduler_of(llm).step_log)[since:]
 
 
-def _assert_decodes_first(steps: list[dict]) -> None:
-    """No running decode left out of a step that scheduled prefill tokens (preempted ones excepted)."""
-    checked = 0
-    for step in steps:
-        scheduled = step["scheduled"]
-        prefill = sum(n for rid, n in scheduled.items() if rid not in step["decodes"])
-        if prefill:
-            left_out = [rid for rid in step["decodes"] if rid not in scheduled and rid not in step["preempted"]]
-            assert not left_out, step
-            checked += bool(step["decodes"])
-    assert checked, "no step mixed decodes with prefill tokens"
-
-
 def test_plugin_is_the_engines_scheduler(smollm2_plugin):
     assert isinstance(scheduler_of(smollm2_plugin), SarathiScheduler)
 
@@ -96,7 +84,7 @@ def test_smollm2_greedy_tokens_equal_vllm_default_scheduler(smollm2_reference, s
     steps = _steps(smollm2_plugin, before)
     assert max(sum(s["scheduled"].values()) for s in steps) <= 64  # the chunk size, not vLLM's 256
     assert any(len(s["scheduled"]) > 2 for s in steps)  # hybrid batches
-    _assert_decodes_first(steps)
+    assert decodes_first_steps(steps, "preempted"), "no step mixed decodes with prefill tokens"
 
 
 def test_fixed_budget_steps_are_what_the_plan_said(smollm2_reference, smollm2_plugin):
@@ -118,7 +106,7 @@ def test_tiny_model_with_preemption_and_auto_budget_equals_default(tiny_referenc
     assert _tokens(tiny_plugin.generate(prompts, params, use_tqdm=False)) == reference
     steps = _steps(tiny_plugin, before)
     assert any(s["preempted"] for s in steps), "the small KV pool forced no preemption"
-    _assert_decodes_first(steps)
+    assert decodes_first_steps(steps, "preempted"), "no step mixed decodes with prefill tokens"
 
 
 def test_auto_keeps_each_predicted_step_within_its_target(tiny_plugin):
