@@ -153,6 +153,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_checkpoints):
     assert llm.generate([[7, 8, 9]], different_seed, use_tqdm=False)[0].token_ids != alone
 
 
+def test_the_smallest_top_p_samples_the_most_likely_token(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"], chunk_size=32, device="cpu")
+    prompts = [[7, 8, 9], [40, 41, 42, 43]]
+    expected = [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+    for top_p in (1e-300, 5e-324, 1e-40):  # 0, 0 and a denormal in float32
+        params = SamplingParams(temperature=0.5, top_p=top_p, max_tokens=6, ignore_eos=True)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected, top_p
+
+
 def test_logprobs_are_the_sampled_tokens_log_softmax(tiny_checkpoints, hf_reference):
     llm = LLM(tiny_checkpoints["llama"], device="cpu")
     prompt = list(range(40, 80))
