@@ -44,6 +44,10 @@ from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionReques
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0
+"""The log-probability the wire carries for a token that cannot be sampled (-inf: a token that ``min_tokens``
+bans still appears among ``top_logprobs`` when fewer tokens are left than asked for); JSON has no infinity, and
+-9999.0 is vLLM's value."""
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there (seconds)
 T = TypeVar("T")
 
@@ -475,17 +479,17 @@ class _Format:
             content = []
             for tid, (lp, top) in zip(token_ids, logprobs):
                 s = name(tid)
-                content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode())}
-                                                 for t, v in top.items()]})
+                content.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode()),
+                                "top_logprobs": [{"token": name(t), "logprob": _finite(v),
+                                                  "bytes": list(name(t).encode())} for t, v in top.items()]})
             return {"content": content}
         tokens, token_logprobs, tops, offsets = [], [], [], []
         offset = self._text_offset.get(index, 0)
         for tid, (lp, top) in zip(token_ids, logprobs):
             s = name(tid)
             tokens.append(s)
-            token_logprobs.append(lp)
-            tops.append({name(t): v for t, v in top.items()})
+            token_logprobs.append(_finite(lp))
+            tops.append({name(t): _finite(v) for t, v in top.items()})
             offsets.append(offset)
             offset += len(s)
         self._text_offset[index] = offset
@@ -507,5 +511,11 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
     return usage
 
 
+def _finite(logprob: float) -> float:
+    """``logprob`` as JSON can carry it: ``MIN_LOGPROB`` for -inf (or NaN, which no valid request produces)."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    # allow_nan=False: a non-finite number becomes an error event (valid JSON), never a bare NaN on the wire
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
