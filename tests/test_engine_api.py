@@ -225,6 +225,16 @@ def test_kv_pool_is_sized_from_a_memory_budget(tiny_checkpoints):
     assert tuple(engine.runner.kv_cache.shape) == (2, 128, 2, 16, 2, 16)
 
 
+def test_a_kv_pool_larger_than_the_free_memory_is_refused_naming_the_option(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    # 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB per block: 10**12 blocks need 7.3 PiB
+    with pytest.raises(ValueError, match=r"num_kv_blocks=1000000000000 needs 7\.629e\+06 GiB for the KV pool "
+                                         r"\(8192000000000000 bytes\), more than the [\d.]+ GiB free on cpu"):
+        LLMEngine(path, device="cpu", num_kv_blocks=10**12)
+    with pytest.raises(ValueError, match=r"kv_cache_memory=1152921504606846976 needs 1\.074e\+09 GiB"):
+        LLMEngine(path, device="cpu", kv_cache_memory=2**60)
+
+
 def test_stats_summary_and_pandas_frames(tiny_checkpoints):
     llm = LLM(tiny_checkpoints["llama"], chunk_size=16, device="cpu")
     llm.generate([[5] * 30, [6] * 3], greedy(5), use_tqdm=False)
