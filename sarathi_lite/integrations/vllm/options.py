@@ -48,6 +48,10 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
     """Parse ``additional_config["sarathi_lite"]`` against vLLM's scheduler limits. Raises ``ValueError`` naming
     the bad key or value (an unknown key, a chunk size above ``max_num_batched_tokens``, ``"auto"`` without
     ``tbt_slo`` or ``cost_model``, a string where a number belongs, ...)."""
+    if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
+            or max_num_batched_tokens < 1:
+        raise ValueError(f"vLLM's max_num_batched_tokens={max_num_batched_tokens!r} must be a positive integer (the "
+                         f"sarathi_lite chunk_size is at most it)")
     raw = (additional_config or {}).get(OPTIONS_KEY, {})
     if not isinstance(raw, Mapping):
         raise ValueError(f"additional_config[{OPTIONS_KEY!r}] must be a JSON object, not {raw!r}")
@@ -76,9 +80,13 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
                          "or roofline:HW[:MODEL]")
     if spec is not None and not isinstance(spec, str):
         raise ValueError(f"sarathi_lite cost_model={spec!r} must be a string (a file path or roofline:...)")
-    step_log = raw.get("step_log")
-    if step_log is not None and not isinstance(step_log, str):
-        raise ValueError(f"sarathi_lite step_log={step_log!r} must be a file path")
+    min_chunk_size = raw.get("min_chunk_size")
+    budget = max_num_batched_tokens if chunk_size == "auto" else chunk_size
+    if isinstance(min_chunk_size, int) and not isinstance(min_chunk_size, bool) and min_chunk_size > budget:
+        raise ValueError(f"sarathi_lite min_chunk_size={min_chunk_size} is above the token budget of a step ("
+                         + ("vLLM's max_num_batched_tokens" if chunk_size == "auto" else "chunk_size")
+                         + f"={budget}): no step could grant it")
+    step_log = _step_log(raw.get("step_log"))
     extra = {k: raw[k] for k in ("tbt_slo", "budget_safety", "min_chunk_size", "hol_protection",
                                  "long_prefill_chunk") if k in raw}
     if chunk_size == "auto":
@@ -88,5 +96,24 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
         num_blocks=num_blocks, long_prefill_token_threshold=long_prefill_token_threshold or None,
         enable_prefix_caching=enable_prefix_caching, **extra)
-    cost_model = load_cost_model(spec) if chunk_size == "auto" else None
-    return PluginOptions(policy, config, cost_model, Path(step_log) if step_log else None)
+    cost_model = load_cost_model(spec) if spec is not None else None  # checked even where a fixed budget ignores it
+    return PluginOptions(policy, config, cost_model if chunk_size == "auto" else None, step_log)
+
+
+def _step_log(value: Any) -> Path | None:
+    """The ``step_log`` path, opened for appending once here so that a directory or a path this process cannot
+    write is refused now, not inside vLLM's start-up."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"sarathi_lite step_log={value!r} must be a file path")
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"sarathi_lite step_log={value!r} is a directory; give a file path (JSON lines are "
+                         f"appended to it)")
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"sarathi_lite step_log={value!r} cannot be written: {e.strerror or e}") from None
+    return path
