@@ -6,6 +6,7 @@ against a queue bound of 64."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -68,6 +69,33 @@ def test_the_api_key_guards_the_api_while_health_and_metrics_stay_open(limited, 
         assert_openai_error(httpx.get(f"{url}/metrics"), 401, code="invalid_api_key")
         assert httpx.get(f"{url}/health", headers=AUTH).status_code == 200
         assert httpx.get(f"{url}/metrics", headers=AUTH).status_code == 200
+
+
+def test_two_authorization_headers_are_a_400_whichever_comes_last(limited):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for pair in ([AUTH["Authorization"], "Bearer wrong"], ["Bearer wrong", AUTH["Authorization"]],
+                 [AUTH["Authorization"]] * 2):
+        headers = [("authorization", value) for value in pair]
+        r = httpx.post(f"{limited}/v1/completions", json=body, headers=headers, timeout=30)
+        assert "2 Authorization headers" in assert_openai_error(r, 400, code="invalid_api_key")["message"]
+    assert post(limited, "completions", body).status_code == 200
+
+
+def test_head_health_answers_like_get_without_a_body(limited):
+    head = httpx.head(f"{limited}/health", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert httpx.get(f"{limited}/health", timeout=30).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+def test_a_compressed_body_is_415_saying_content_encoding_is_unsupported(limited, encoding):
+    body = gzip.compress(json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode())
+    r = httpx.post(f"{limited}/v1/completions", content=body, timeout=30,
+                   headers={**AUTH, "content-type": "application/json", "content-encoding": encoding})
+    err = assert_openai_error(r, 415, param=None, code="unsupported_content_encoding")
+    assert f"Content-Encoding '{encoding}' is not supported" in err["message"]
+    plain = {**AUTH, "content-encoding": "identity"}
+    assert post(limited, "completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}, plain).status_code == 200
 
 
 def test_a_body_over_the_cap_is_413_by_header_or_as_it_streams_in(limited):
@@ -138,6 +166,8 @@ SURROGATES = [  # raw JSON text: "\ud800" escapes decode to lone surrogates
     ("completions", '{"model": "tiny-llama", "prompt": ["a\\udfffb"]}', "prompt.0"),
     ("completions", '{"model": "tiny-llama", "prompt": "ok", "stop": ["\\ud800"]}', "stop.0"),
     ("completions", '{"model": "tiny-\\ud800", "prompt": "ok"}', "model"),
+    ("completions", '{"model": "tiny-llama", "prompt": "ok", "logit_bias": {"1\\ud800x": 1}}',
+     "logit_bias.1\\ud800x.[key]"),  # the key escaped as the client wrote it, not garbled
     ("chat/completions", '{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi \\ud83d"}]}',
      "messages.0.content"),
     ("chat/completions", '{"model": "tiny-llama", "messages": [{"role": "user", "content": [{"type": "text", '
@@ -295,7 +325,9 @@ def test_a_dead_worker_stops_the_engine_and_health_says_why(checkpoint):
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
         assert_openai_error(r, 503, code="engine_dead")
         health = assert_openai_error(httpx.get(f"{url}/health"), 503, code="engine_dead")
-        assert "rank 1 (pid 4242) was killed by signal 9" in health["message"]
+        assert "rank 1 was killed by signal 9" in health["message"] and "4242" not in health["message"]
+        head = httpx.head(f"{url}/health")
+        assert head.status_code == 503 and head.content == b""
         later = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
         assert_openai_error(later, 503, code="engine_dead")
 

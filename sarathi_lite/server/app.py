@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,7 @@ from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionReques
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+_PID = re.compile(r" \(pid \d+\)")  # how a lost worker's or instance's message names its process
 MIN_LOGPROB = -9999.0
 """The log-probability the wire carries for a token that cannot be sampled (-inf: a token that ``min_tokens``
 bans still appears among ``top_logprobs`` when fewer tokens are left than asked for); JSON has no infinity, and
@@ -79,14 +81,16 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, config: S
 
     states = getattr(engine, "instance_states", None)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> dict[str, Any]:
         """200 ``{"status": "ok"}`` while the engine runs; with instances (``--instances``) also their count per
-        role and state, and ``"degraded"`` once one is lost. 503 naming why once the engine cannot serve."""
+        role and state, and ``"degraded"`` once one is lost. 503 naming why once the engine cannot serve (without
+        process ids: the route is open to anyone who can reach the port; the log has them)."""
         instances = None if states is None else states()
         if not aengine.is_running:
             detail = "" if instances is None else f" (instances: {json.dumps(instances)})"
-            raise APIError(503, f"the engine is not running: {aengine.dead_reason}{detail}", type="server_error",
+            reason = _PID.sub("", aengine.dead_reason or "")
+            raise APIError(503, f"the engine is not running: {reason}{detail}", type="server_error",
                            code="engine_dead")
         if instances is None:
             return {"status": "ok"}
