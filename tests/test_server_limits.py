@@ -362,6 +362,63 @@ def test_300_requests_at_once_against_a_queue_bound_of_64(checkpoint):
         assert responses[i].json()["choices"][0]["text"] == reference[i].text
 
 
+def _until(check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_every_prompt_and_completion_counts_against_the_queue_bound_and_a_client_leaving_aborts_them_all(
+        checkpoint):
+    added: list[float] = []
+
+    def patch(engine) -> None:
+        _slow(engine)  # 50 ms steps: adding 40 prompts one per step would take 2 s
+        add = engine.add_request
+
+        def recorded(*args, **kwargs) -> None:
+            add(*args, **kwargs)
+            added.append(time.monotonic())
+
+        engine.add_request = recorded
+
+    config = ServerConfig(max_waiting_requests=64, max_prompts_per_request=48)
+    many = {"model": MODEL, "prompt": [[5, 6, 7 + i] for i in range(40)], "max_tokens": 1000, "ignore_eos": True}
+    aborted = 'sarathi_lite_requests_finished_total{finish_reason="abort"}'
+    with serve_in_thread(checkpoint, config, patch=patch, **{**ENGINE, "max_num_seqs": 8}) as url:
+        completions = f"{url}/v1/completions"
+        err = assert_openai_error(httpx.post(completions, json={**many, "prompt": [[5]] * 49}), 400, param="prompt")
+        assert "49 prompts; this server takes at most 48 in one request (max_prompts_per_request)" in err["message"]
+        err = assert_openai_error(httpx.post(completions, json={**many, "n": 2}), 400, param="prompt")
+        assert "40 prompts x 2 completions = 80 requests, more than the 64" in err["message"]
+        assert_openai_error(httpx.post(completions, json={**many, "prompt": [5], "best_of": 65}), 400, param="n")
+        assert not added  # refused before any work
+
+        left: list[float] = []
+
+        def leave() -> None:  # sends 40 prompts and leaves after 1 s
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(completions, json=many, timeout=1.0)
+            left.append(time.monotonic())
+
+        client = threading.Thread(target=leave)
+        client.start()
+        _until(lambda: len(added) == 40 or bool(left))
+        # 40 of the 64 places are taken (8 running, 32 waiting): 40 more prompts do not fit
+        r = httpx.post(completions, json=many, timeout=30)
+        assert_openai_error(r, 503, code="queue_full")
+        assert r.headers["retry-after"] == "1"
+        client.join(30)
+        assert len(added) == 40 and max(added) < left[0]  # all in the engine before the client left
+        _until(lambda: _metric(url, aborted) == 40)
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_blocks_used"):
+            assert _metric(url, f"sarathi_lite_{gauge}") == 0, gauge
+        r = httpx.post(completions, json={**many, "prompt": [[5, 6]] * 3, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        assert len(added) == 43
+
+
 def test_server_metrics_count_every_iteration_a_step_ran():
     # instances as processes return from a step when one of them ends one, with the iterations of all of them
     # since the last step: each counts once; a stats reset starts the count over

@@ -190,6 +190,18 @@ def test_a_wrong_or_missing_content_type_is_named(served):
     assert r.status_code == 400 and "no Content-Type" in r.json()["error"]["message"]
 
 
+def test_the_smallest_top_p_returns_the_greedy_completion(served):
+    url, _ = served
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    greedy = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0}, timeout=30).json()["choices"][0]
+    assert len(greedy["logprobs"]["tokens"]) == 6
+    for top_p in (1e-300, 5e-324):  # 0 in float32: every token was masked, and token 0 came out
+        r = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0.5, "top_p": top_p}, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == greedy["text"] and choice["logprobs"]["tokens"] == greedy["logprobs"]["tokens"]
+
+
 def strict_json(text: str):
     """``text`` parsed as JSON proper: NaN and Infinity (which Python's json writes and reads) refused."""
     def refuse(name: str):
