@@ -26,7 +26,7 @@ from tests.tiny_tokenizer import save_tiny_tokenizer
 
 ENGINE = dict(chunk_size=32, block_size=4, num_kv_blocks=128, max_num_seqs=8, max_model_len=48, device="cpu")
 EXAMPLES = 100  # per route
-LIMITS = dict(request_timeout=60.0, max_waiting_requests=128, max_prompts_per_request=32)
+LIMITS = dict(request_timeout=60.0, max_waiting_requests=32, max_prompts_per_request=8)
 VOCAB = TINY["vocab_size"]
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -41,13 +41,23 @@ NEW_FIELDS = st.fixed_dictionaries({}, optional={
     "repetition_penalty": st.sampled_from([0.01, 0.5, 1, 1.7, 100.0]),
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str),
                                   st.sampled_from([-100, -1.5, 0, 2.0, 100]), max_size=3),
-    # many prompts: over max_prompts_per_request (400), or 32 x n (best_of) at and past max_waiting_requests
-    "prompt": st.sampled_from([["a", "b"], [[5, 6], [7]], "hello", [[5] * 30, [6]], [[7]] * 33, [[5, 6]] * 32]),
-    "temperature": st.sampled_from([0, 0.7]), "seed": st.integers(0, 5), "max_tokens": st.integers(1, 6),
-    # tiny and denormal top_p (0 in float32), constraints that leave no token (or one) before min_tokens
-    "top_p": st.sampled_from([5e-324, 1e-300, 1e-45, 1e-38, 0.5, 1.0]),
-    "stop_token_ids": st.sampled_from([list(range(VOCAB)), list(range(1, VOCAB)), [2]]),
-    "min_tokens": st.integers(0, 3), "logprobs": st.sampled_from([0, 5, 20])})
+    "prompt": st.sampled_from([["a", "b"], [[5, 6], [7]], "hello", [[5] * 30, [6]]]),
+    "temperature": st.sampled_from([0, 0.7]), "seed": st.integers(0, 5), "max_tokens": st.integers(1, 6)})
+# the edges hostile clients found, with a prompt that runs: many prompts x n over max_prompts_per_request (400) or
+# at and past max_waiting_requests, tiny and denormal top_p (0 in float32), stop tokens that leave no token (or
+# one) before min_tokens, with logprobs
+HOSTILE = st.one_of(
+    st.fixed_dictionaries({"prompt": st.sampled_from([[[7]] * 9, [[5, 6]] * 8]),  # 8 x 4 = 32 fit, 8 x 5 do not
+                           "n": st.integers(1, 4), "max_tokens": st.integers(1, 3)},
+                          optional={"best_of": st.integers(4, 5), "stream": st.booleans()}),
+    st.fixed_dictionaries({"top_p": st.sampled_from([5e-324, 1e-300, 1e-45, 1e-40, 1e-38]),
+                           "temperature": st.sampled_from([0.5, 1.0, 2.0]), "max_tokens": st.integers(1, 6)},
+                          optional={"logprobs": st.sampled_from([0, 5]), "stream": st.booleans()}),
+    st.fixed_dictionaries({"stop_token_ids": st.sampled_from([list(range(VOCAB)), list(range(1, VOCAB)),
+                                                              list(range(VOCAB - 3))]),
+                           "min_tokens": st.integers(1, 3), "max_tokens": st.integers(3, 6)},
+                          optional={"logprobs": st.sampled_from([0, 5, 20]), "stream": st.booleans(),
+                                    "ignore_eos": st.booleans(), "temperature": st.sampled_from([0, 1.0])}))
 SURROGATE_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=3),
                            st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3))
 
@@ -69,14 +79,14 @@ def mutated(draw, valid: st.SearchStrategy) -> dict:
     """A body valid per the schema, then often broken in one place."""
     body = draw(valid)
     body["model"] = draw(st.sampled_from([MODEL, MODEL, MODEL, body.get("model", MODEL)]))
-    how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "new_fields", "new_fields", "replace",
-                                "drop", "surrogate"]))
+    how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "new_fields", "new_fields", "hostile",
+                                "hostile", "replace", "drop", "surrogate"]))
     keys = sorted(body)
     if how == "runnable":  # a prompt the engine takes, so the other fields reach it more often
         body["prompt" if "prompt" in body else "messages"] = draw(st.sampled_from(
             ["hello", [5, 6, 7], ["hi"], [[8, 9]]] if "prompt" in body else [[{"role": "user", "content": "hi"}]]))
-    elif how == "new_fields":
-        extra = draw(NEW_FIELDS)
+    elif how in ("new_fields", "hostile"):
+        extra = draw(NEW_FIELDS if how == "new_fields" else HOSTILE)
         if "prompt" not in body:  # chat: a conversation instead of prompts, no echo, logprobs as chat has them
             extra.pop("echo", None)
             if "logprobs" in extra:
