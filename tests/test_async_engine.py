@@ -9,7 +9,7 @@ import pytest
 
 from sarathi_lite import LLM, LLMEngine, SamplingParams
 from sarathi_lite.engine.async_engine import AsyncLLMEngine
-from sarathi_lite.engine.errors import EngineDeadError
+from sarathi_lite.engine.errors import EngineDeadError, QueueFullError
 
 PROMPTS = [[5, 6, 7] * 10, [9, 10], [11, 12] * 7, [40] * 3]
 
@@ -52,6 +52,34 @@ def test_streams_match_generate_and_late_requests_join_running_batches(engine, t
     shared = [it for it in engine.stats().iterations if "a0" in dict(it.batch) and len(it.batch) > 1]
     assert shared, "requests added while a0 ran never shared an iteration with it"
     assert aengine.num_streams == 0 and engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_reservation_lets_requests_in_together_or_not_at_all(engine):
+    aengine = AsyncLLMEngine(engine, max_waiting_requests=4)
+
+    async def main():
+        with pytest.raises(ValueError, match="5 requests at once are more than max_waiting_requests=4"):
+            aengine.reserve(5)
+        group = aengine.reserve(3)
+        assert aengine.num_waiting == 3
+        with pytest.raises(QueueFullError, match="3 requests are waiting and the bound is 4"):
+            aengine.reserve(2)  # all or none: one place is left
+        last = aengine.reserve(1)
+        last.release()
+        last.release()  # once only
+        assert aengine.num_waiting == 3
+        streams = [await aengine.add_request([5, 6], greedy(1000), f"g{i}", reservation=group) for i in range(2)]
+        group.release()  # the place never used is given back; the two added wait or run
+        assert aengine.num_waiting <= 2
+        with pytest.raises(ValueError, match="no place left"):
+            await aengine.add_request([9], greedy(2), "late", reservation=group)
+        for stream in streams:
+            await stream.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
 
 
 def test_cancelling_the_consumer_aborts_and_frees_kv_within_one_step(engine):

@@ -153,6 +153,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_checkpoints):
     assert llm.generate([[7, 8, 9]], different_seed, use_tqdm=False)[0].token_ids != alone
 
 
+def test_the_smallest_top_p_samples_the_most_likely_token(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"], chunk_size=32, device="cpu")
+    prompts = [[7, 8, 9], [40, 41, 42, 43]]
+    expected = [o.token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+    for top_p in (1e-300, 5e-324, 1e-40):  # 0, 0 and a denormal in float32
+        params = SamplingParams(temperature=0.5, top_p=top_p, max_tokens=6, ignore_eos=True)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected, top_p
+
+
 def test_logprobs_are_the_sampled_tokens_log_softmax(tiny_checkpoints, hf_reference):
     llm = LLM(tiny_checkpoints["llama"], device="cpu")
     prompt = list(range(40, 80))
@@ -214,6 +223,16 @@ def test_kv_pool_is_sized_from_a_memory_budget(tiny_checkpoints):
     # 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB per block
     assert engine.scheduler_config.num_blocks == (1 << 20) // 8192
     assert tuple(engine.runner.kv_cache.shape) == (2, 128, 2, 16, 2, 16)
+
+
+def test_a_kv_pool_larger_than_the_free_memory_is_refused_naming_the_option(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    # 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB per block: 10**12 blocks need 7.3 PiB
+    with pytest.raises(ValueError, match=r"num_kv_blocks=1000000000000 needs 7\.629e\+06 GiB for the KV pool "
+                                         r"\(8192000000000000 bytes\), more than the [\d.]+ GiB free on cpu"):
+        LLMEngine(path, device="cpu", num_kv_blocks=10**12)
+    with pytest.raises(ValueError, match=r"kv_cache_memory=1152921504606846976 needs 1\.074e\+09 GiB"):
+        LLMEngine(path, device="cpu", kv_cache_memory=2**60)
 
 
 def test_stats_summary_and_pandas_frames(tiny_checkpoints):

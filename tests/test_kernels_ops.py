@@ -164,6 +164,14 @@ def test_top_k_one_equals_greedy_at_any_temperature():
         assert torch.equal(tokens, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("top_p", [0.0, 5e-324, 1e-300, 1e-46])
+def test_a_top_p_that_is_zero_in_float32_keeps_the_most_likely_token(top_p):
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(11))
+    generators = [None] * 8 + [seeded(i) for i in range(8)]
+    tokens = sample(logits, *sampling_args(16, temperature=0.5, top_p=top_p), generators)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
 def nucleus(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> set[int]:
     """The tokens top-k then top-p may return, computed independently in float64."""
     scaled = logits.double() / temperature

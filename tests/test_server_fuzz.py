@@ -1,10 +1,13 @@
 """Property-based fuzzing of the OpenAPI schema the server publishes (hypothesis): bodies drawn from
 each POST route's request schema, and mutations of them (a field replaced by any JSON value, a required field
-dropped, strings with lone surrogates). Properties: never a 5xx, every error in OpenAI's shape, and the engine
-still serves a normal request after each example. Bounded: a short context (every drawn request finishes in a
-few dozen tiny steps) and a fixed number of examples. The fields added for OpenAI compatibility (``n``,
-``best_of``, penalties, ``logit_bias``, ``echo``, several prompts) are drawn from the schema like the others, and
-also injected together with a prompt that runs, so they reach the engine."""
+dropped, strings with lone surrogates). Properties: never a 5xx, every body and event JSON proper (no NaN or
+Infinity), every error in OpenAI's shape, and the engine still serves a normal request after each example (so a
+request that leaked its places in the queue bound would show). Bounded: a short context (every drawn request
+finishes in a few dozen tiny steps) and a fixed number of examples. The fields added for OpenAI compatibility
+(``n``, ``best_of``, penalties, ``logit_bias``, ``echo``, several prompts) are drawn from the schema like the
+others, and also injected together with a prompt that runs, so they reach the engine, with the edges hostile
+clients found: tiny and denormal ``top_p``, ``stop_token_ids`` that leave no token before ``min_tokens``, and
+many prompts x ``n`` around ``max_prompts_per_request`` and ``max_waiting_requests``."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from tests.tiny_tokenizer import save_tiny_tokenizer
 
 ENGINE = dict(chunk_size=32, block_size=4, num_kv_blocks=128, max_num_seqs=8, max_model_len=48, device="cpu")
 EXAMPLES = 100  # per route
+LIMITS = dict(request_timeout=60.0, max_waiting_requests=128, max_prompts_per_request=32)  # any n (<= 128) runs
+VOCAB = TINY["vocab_size"]
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
@@ -34,19 +39,33 @@ NEW_FIELDS = st.fixed_dictionaries({}, optional={
     "presence_penalty": st.sampled_from([-2.0, -0.5, 0, 1.5, 2]),
     "frequency_penalty": st.sampled_from([-2, 0.0, 0.3, 2.0]),
     "repetition_penalty": st.sampled_from([0.01, 0.5, 1, 1.7, 100.0]),
-    "logit_bias": st.dictionaries(st.integers(0, TINY["vocab_size"] - 1).map(str),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str),
                                   st.sampled_from([-100, -1.5, 0, 2.0, 100]), max_size=3),
     "prompt": st.sampled_from([["a", "b"], [[5, 6], [7]], "hello", [[5] * 30, [6]]]),
     "temperature": st.sampled_from([0, 0.7]), "seed": st.integers(0, 5), "max_tokens": st.integers(1, 6)})
+# the edges hostile clients found, with a prompt that runs: many prompts x n over max_prompts_per_request (400) or
+# at and past max_waiting_requests, tiny and denormal top_p (0 in float32), stop tokens that leave no token (or
+# one) before min_tokens, with logprobs
+HOSTILE = st.one_of(
+    st.fixed_dictionaries({"prompt": st.sampled_from([[[7]] * 33, [[5, 6]] * 32]),  # 32 x 4 = 128 fit, 32 x 5 not
+                           "n": st.integers(1, 4), "max_tokens": st.just(1)},
+                          optional={"best_of": st.integers(4, 5), "stream": st.booleans()}),
+    st.fixed_dictionaries({"top_p": st.sampled_from([5e-324, 1e-300, 1e-45, 1e-40, 1e-38]),
+                           "temperature": st.sampled_from([0.5, 1.0, 2.0]), "max_tokens": st.integers(1, 6)},
+                          optional={"logprobs": st.sampled_from([0, 5]), "stream": st.booleans()}),
+    st.fixed_dictionaries({"stop_token_ids": st.sampled_from([list(range(VOCAB)), list(range(1, VOCAB)),
+                                                              list(range(VOCAB - 3))]),
+                           "min_tokens": st.integers(1, 3), "max_tokens": st.integers(3, 6)},
+                          optional={"logprobs": st.sampled_from([0, 5, 20]), "stream": st.booleans(),
+                                    "ignore_eos": st.booleans(), "temperature": st.sampled_from([0, 1.0])}))
 SURROGATE_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=3),
                            st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = save_tiny_tokenizer(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("fuzz") / "llama"),
-                               TINY["vocab_size"])
-    with serve_in_thread(path, ServerConfig(request_timeout=60.0), **ENGINE) as url:
+    path = save_tiny_tokenizer(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("fuzz") / "llama"), VOCAB)
+    with serve_in_thread(path, ServerConfig(**LIMITS), **ENGINE) as url:
         yield url
 
 
@@ -60,16 +79,18 @@ def mutated(draw, valid: st.SearchStrategy) -> dict:
     """A body valid per the schema, then often broken in one place."""
     body = draw(valid)
     body["model"] = draw(st.sampled_from([MODEL, MODEL, MODEL, body.get("model", MODEL)]))
-    how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "new_fields", "new_fields", "replace",
-                                "drop", "surrogate"]))
+    how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "new_fields", "new_fields", "hostile",
+                                "hostile", "replace", "drop", "surrogate"]))
     keys = sorted(body)
     if how == "runnable":  # a prompt the engine takes, so the other fields reach it more often
         body["prompt" if "prompt" in body else "messages"] = draw(st.sampled_from(
             ["hello", [5, 6, 7], ["hi"], [[8, 9]]] if "prompt" in body else [[{"role": "user", "content": "hi"}]]))
-    elif how == "new_fields":
-        extra = draw(NEW_FIELDS)
-        if "prompt" not in body:  # chat: a conversation instead of prompts, and no echo
+    elif how in ("new_fields", "hostile"):
+        extra = draw(NEW_FIELDS if how == "new_fields" else HOSTILE)
+        if "prompt" not in body:  # chat: a conversation instead of prompts, no echo, logprobs as chat has them
             extra.pop("echo", None)
+            if "logprobs" in extra:
+                extra["top_logprobs"], extra["logprobs"] = extra["logprobs"], True
             extra["messages"] = [{"role": "user", "content": "hi"}]
             extra.pop("prompt", None)
         body.update(extra)
@@ -82,17 +103,25 @@ def mutated(draw, valid: st.SearchStrategy) -> dict:
     return body
 
 
+def strict_json(text: str):
+    """JSON proper: the NaN and Infinity that Python's json reads (and writes) are refused."""
+    def refuse(name: str):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
 def check_route(url: str, route: str, body: dict) -> int:
     raw = json.dumps(body)  # lone surrogates travel as "\ud800" escapes, as a client's JSON would carry them
     r = httpx.post(f"{url}{route}", content=raw, headers={"content-type": "application/json"}, timeout=90)
     assert r.status_code < 500, (body, r.status_code, r.text)
     if r.status_code >= 400:
         assert_openai_error(r, r.status_code)
+        strict_json(r.text)
     elif body.get("stream"):
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), r.text
+        assert events[-1] == "[DONE]" and all("error" not in strict_json(e) for e in events[:-1]), r.text
     else:
-        choices = r.json()["choices"]
+        choices = strict_json(r.text)["choices"]
         assert all(c["finish_reason"] in ("stop", "length") for c in choices), r.text
         prompt = body.get("prompt")
         several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))

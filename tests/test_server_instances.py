@@ -1,5 +1,6 @@
-"""``sarathi-lite serve --instances 2P1D`` as a subprocess with its instances as child processes: a lost prefill
-instance shows in ``/health`` (200, ``degraded``) and ``/metrics`` while requests keep being served; when the
+"""``sarathi-lite serve --instances 2P1D`` as a subprocess with its instances as child processes: a prefill
+instance lost while a stream decodes shows in ``/health`` (200, ``degraded``) and ``/metrics`` within a few
+seconds, mid-stream, while requests keep being served; when the
 last decode instance dies, ``/health`` answers 503, the surviving prefill instance is stopped (its process
 exits, its KV blocks are freed) and the metrics say so. Bounded: every wait has a deadline."""
 
@@ -81,8 +82,19 @@ def test_lost_instances_show_in_health_and_metrics_and_the_last_decode_stops_the
         prefill0, prefill1, decode0 = children(proc.pid)
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
 
-        os.kill(prefill0, signal.SIGKILL)
-        health = until(lambda: (h := httpx.get(f"{url}/health")).json().get("status") == "degraded" and h)
+        # killed while a stream decodes (the prefill instances idle): /health says so within a step, mid-stream
+        long = {**body, "max_tokens": 900, "stream": True}
+        health = None
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(prefill0, signal.SIGKILL)
+            deadline = time.monotonic() + 3.0  # the stream's 900 tokens take longer on this CPU
+            for line in lines:
+                assert line != "data: [DONE]" and time.monotonic() < deadline, "not degraded mid-stream within 3 s"
+                if (h := httpx.get(f"{url}/health")).json().get("status") == "degraded":
+                    health = h
+                    break
         assert health.status_code == 200
         assert health.json()["instances"]["prefill"] == {"alive": 1, "lost": 1, "stopped": 0}
         m = metrics(url)

@@ -6,6 +6,7 @@ against a queue bound of 64."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -68,6 +69,33 @@ def test_the_api_key_guards_the_api_while_health_and_metrics_stay_open(limited, 
         assert_openai_error(httpx.get(f"{url}/metrics"), 401, code="invalid_api_key")
         assert httpx.get(f"{url}/health", headers=AUTH).status_code == 200
         assert httpx.get(f"{url}/metrics", headers=AUTH).status_code == 200
+
+
+def test_two_authorization_headers_are_a_400_whichever_comes_last(limited):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for pair in ([AUTH["Authorization"], "Bearer wrong"], ["Bearer wrong", AUTH["Authorization"]],
+                 [AUTH["Authorization"]] * 2):
+        headers = [("authorization", value) for value in pair]
+        r = httpx.post(f"{limited}/v1/completions", json=body, headers=headers, timeout=30)
+        assert "2 Authorization headers" in assert_openai_error(r, 400, code="invalid_api_key")["message"]
+    assert post(limited, "completions", body).status_code == 200
+
+
+def test_head_health_answers_like_get_without_a_body(limited):
+    head = httpx.head(f"{limited}/health", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert httpx.get(f"{limited}/health", timeout=30).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+def test_a_compressed_body_is_415_saying_content_encoding_is_unsupported(limited, encoding):
+    body = gzip.compress(json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode())
+    r = httpx.post(f"{limited}/v1/completions", content=body, timeout=30,
+                   headers={**AUTH, "content-type": "application/json", "content-encoding": encoding})
+    err = assert_openai_error(r, 415, param=None, code="unsupported_content_encoding")
+    assert f"Content-Encoding '{encoding}' is not supported" in err["message"]
+    plain = {**AUTH, "content-encoding": "identity"}
+    assert post(limited, "completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}, plain).status_code == 200
 
 
 def test_a_body_over_the_cap_is_413_by_header_or_as_it_streams_in(limited):
@@ -138,6 +166,8 @@ SURROGATES = [  # raw JSON text: "\ud800" escapes decode to lone surrogates
     ("completions", '{"model": "tiny-llama", "prompt": ["a\\udfffb"]}', "prompt.0"),
     ("completions", '{"model": "tiny-llama", "prompt": "ok", "stop": ["\\ud800"]}', "stop.0"),
     ("completions", '{"model": "tiny-\\ud800", "prompt": "ok"}', "model"),
+    ("completions", '{"model": "tiny-llama", "prompt": "ok", "logit_bias": {"1\\ud800x": 1}}',
+     "logit_bias.1\\ud800x.[key]"),  # the key escaped as the client wrote it, not garbled
     ("chat/completions", '{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi \\ud83d"}]}',
      "messages.0.content"),
     ("chat/completions", '{"model": "tiny-llama", "messages": [{"role": "user", "content": [{"type": "text", '
@@ -295,7 +325,9 @@ def test_a_dead_worker_stops_the_engine_and_health_says_why(checkpoint):
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
         assert_openai_error(r, 503, code="engine_dead")
         health = assert_openai_error(httpx.get(f"{url}/health"), 503, code="engine_dead")
-        assert "rank 1 (pid 4242) was killed by signal 9" in health["message"]
+        assert "rank 1 was killed by signal 9" in health["message"] and "4242" not in health["message"]
+        head = httpx.head(f"{url}/health")
+        assert head.status_code == 503 and head.content == b""
         later = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
         assert_openai_error(later, 503, code="engine_dead")
 
@@ -328,6 +360,63 @@ def test_300_requests_at_once_against_a_queue_bound_of_64(checkpoint):
         assert r.headers["retry-after"] == "2"
     for i in ok:
         assert responses[i].json()["choices"][0]["text"] == reference[i].text
+
+
+def _until(check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_every_prompt_and_completion_counts_against_the_queue_bound_and_a_client_leaving_aborts_them_all(
+        checkpoint):
+    added: list[float] = []
+
+    def patch(engine) -> None:
+        _slow(engine)  # 50 ms steps: adding 40 prompts one per step would take 2 s
+        add = engine.add_request
+
+        def recorded(*args, **kwargs) -> None:
+            add(*args, **kwargs)
+            added.append(time.monotonic())
+
+        engine.add_request = recorded
+
+    config = ServerConfig(max_waiting_requests=64, max_prompts_per_request=48)
+    many = {"model": MODEL, "prompt": [[5, 6, 7 + i] for i in range(40)], "max_tokens": 1000, "ignore_eos": True}
+    aborted = 'sarathi_lite_requests_finished_total{finish_reason="abort"}'
+    with serve_in_thread(checkpoint, config, patch=patch, **{**ENGINE, "max_num_seqs": 8}) as url:
+        completions = f"{url}/v1/completions"
+        err = assert_openai_error(httpx.post(completions, json={**many, "prompt": [[5]] * 49}), 400, param="prompt")
+        assert "49 prompts; this server takes at most 48 in one request (max_prompts_per_request)" in err["message"]
+        err = assert_openai_error(httpx.post(completions, json={**many, "n": 2}), 400, param="prompt")
+        assert "40 prompts x 2 completions = 80 requests, more than the 64" in err["message"]
+        assert_openai_error(httpx.post(completions, json={**many, "prompt": [5], "best_of": 65}), 400, param="n")
+        assert not added  # refused before any work
+
+        left: list[float] = []
+
+        def leave() -> None:  # sends 40 prompts and leaves after 1 s
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(completions, json=many, timeout=1.0)
+            left.append(time.monotonic())
+
+        client = threading.Thread(target=leave)
+        client.start()
+        _until(lambda: len(added) == 40 or bool(left))
+        # 40 of the 64 places are taken (8 running, 32 waiting): 40 more prompts do not fit
+        r = httpx.post(completions, json=many, timeout=30)
+        assert_openai_error(r, 503, code="queue_full")
+        assert r.headers["retry-after"] == "1"
+        client.join(30)
+        assert len(added) == 40 and max(added) < left[0]  # all in the engine before the client left
+        _until(lambda: _metric(url, aborted) == 40)
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_blocks_used"):
+            assert _metric(url, f"sarathi_lite_{gauge}") == 0, gauge
+        r = httpx.post(completions, json={**many, "prompt": [[5, 6]] * 3, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        assert len(added) == 43
 
 
 def test_server_metrics_count_every_iteration_a_step_ran():

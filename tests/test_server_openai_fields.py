@@ -190,6 +190,62 @@ def test_a_wrong_or_missing_content_type_is_named(served):
     assert r.status_code == 400 and "no Content-Type" in r.json()["error"]["message"]
 
 
+def test_the_smallest_top_p_returns_the_greedy_completion(served):
+    url, _ = served
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    greedy = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0}, timeout=30).json()["choices"][0]
+    assert len(greedy["logprobs"]["tokens"]) == 6
+    for top_p in (1e-300, 5e-324):  # 0 in float32: every token was masked, and token 0 came out
+        r = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0.5, "top_p": top_p}, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == greedy["text"] and choice["logprobs"]["tokens"] == greedy["logprobs"]["tokens"]
+
+
+def strict_json(text: str):
+    """``text`` parsed as JSON proper: NaN and Infinity (which Python's json writes and reads) refused."""
+    def refuse(name: str):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_constraints_that_leave_no_token_are_a_400_and_logprobs_on_the_wire_stay_finite(served, llm):
+    url, log = served
+    before = log.read_text()
+    every = list(range(VOCAB))
+    body = {"model": MODEL, "prompt": PROMPT, "stop_token_ids": every, "min_tokens": 2, "max_tokens": 3,
+            "temperature": 1, "logprobs": 3}
+    for stream in (False, True):
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        assert "no token could be sampled" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="min_tokens=2 bans the stop tokens"):
+        llm.generate([PROMPT], SamplingParams(stop_token_ids=every, min_tokens=2, max_tokens=3), use_tqdm=False)
+
+    # two tokens left until min_tokens: the banned ones among the top 5 are -9999.0, never -Infinity or NaN
+    body["stop_token_ids"] = every[:40] + every[42:]
+    body["logprobs"] = 5
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    choice = strict_json(r.text)["choices"][0]
+    assert r.json()["usage"]["completion_tokens"] == 3
+    first = choice["logprobs"]["top_logprobs"][0]
+    assert -9999.0 in first.values() and all(v > -9999.0 for v in choice["logprobs"]["token_logprobs"][:2])
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop_token_ids": body["stop_token_ids"],
+            "min_tokens": 2, "max_tokens": 3, "logprobs": True, "top_logprobs": 5}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 200, r.text
+    top = strict_json(r.text)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert -9999.0 in [t["logprob"] for t in top]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [strict_json(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), events
+    assert -9999.0 in chunks[0]["choices"][0]["logprobs"]["top_logprobs"][0].values()
+    assert "Traceback" not in log.read_text()[len(before):]
+
+
 def test_clients_leaving_leave_no_traceback_in_the_log(served):
     url, log = served
     before = log.read_text()

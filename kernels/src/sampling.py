@@ -60,7 +60,8 @@ def _filtered_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         srt, order = scaled.sort(dim=-1, descending=True)
         sorted_probs = srt.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = mass_before >= top_p[:, None]  # keeps the smallest prefix whose mass reaches top_p (at least one)
+        drop = mass_before >= top_p[:, None]  # keeps the smallest prefix whose mass reaches top_p
+        drop[:, 0] = False  # and always the most likely token, even for a top_p that is 0 in float32
         scaled = scaled.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
     return scaled.softmax(dim=-1)
 

@@ -31,7 +31,7 @@ from sarathi_lite.kernels.cpu_native import release_thread_pool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "RequestStream", "Reservation"]
 
 IDLE_HEALTH_CHECK_S = 1.0  # how often an idle engine loop calls the engine's check_health (seconds)
 
@@ -67,8 +67,10 @@ class AsyncLLMEngine:
     on_step: called in the engine thread after every step with the engine and that step's outputs (e.g. to
     update metrics); it must be quick and must not raise.
     max_waiting_requests: admission control: ``add_request`` raises ``QueueFullError`` while this many requests
-    wait (queued for the engine thread, or in the scheduler's waiting queue, preempted ones included); ``None``:
-    no bound. retry_after: the wait (seconds) ``QueueFullError`` suggests.
+    wait (queued for the engine thread, in the scheduler's waiting queue, preempted ones included, or held by a
+    ``reserve``); ``None``: no bound. retry_after: the wait (seconds) ``QueueFullError`` suggests. Requests that
+    belong together (the prompts and completions of one HTTP request) are let in all at once or not at all with
+    ``reserve``.
 
     A step that fails ends only its own requests (``finish_reason="error"``, see ``LLMEngine.step``); only a
     broken device or worker (``EngineDeadError``) stops the loop, and then ``dead_reason`` says why. While idle,
@@ -92,6 +94,7 @@ class AsyncLLMEngine:
         self.retry_after = retry_after
         self._num_adds = 0  # _Add commands not yet applied
         self._num_waiting = 0  # the scheduler's waiting queue after the engine thread's last step
+        self._num_reserved = 0  # places held by reservations for requests not added yet
         self._commands: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -122,9 +125,9 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting: added but not yet applied by the engine thread, or in the scheduler's queue (as of
-        the last step)."""
-        return self._num_adds + self._num_waiting
+        """Requests waiting: added but not yet applied by the engine thread, in the scheduler's queue (as of the
+        last step), or reserved and not added yet."""
+        return self._num_adds + self._num_waiting + self._num_reserved
 
     @property
     def num_streams(self) -> int:
@@ -135,20 +138,31 @@ class AsyncLLMEngine:
         """The engine's queues and KV pool as of its last step (``LLMEngine.snapshot``): safe from any thread."""
         return self.engine.snapshot()
 
+    def reserve(self, count: int) -> Reservation:
+        """Hold ``count`` places in ``max_waiting_requests`` for requests about to be added with
+        ``add_request(..., reservation=...)``, all at once: raises ``QueueFullError`` when they do not all fit
+        now, ``ValueError`` when they never could (more than the bound), ``EngineDeadError`` if the engine loop
+        stopped. ``Reservation.release()`` gives back the places never used."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count={count!r} must be a positive integer")
+        with self._lock:
+            self._hold(count)
+        return Reservation(self, count)
+
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                          request_id: str | None = None, admitted: bool = False) -> RequestStream:
+                          request_id: str | None = None, reservation: Reservation | None = None) -> RequestStream:
         """Queue a request; once the engine thread accepted it, return the stream of its step outputs.
 
         Raises ``ValueError`` for bad input, as ``LLMEngine.add_request`` does, ``QueueFullError`` when
-        ``max_waiting_requests`` requests wait already (unless ``admitted``: a further completion of a request
-        that was let in, e.g. the second of ``n``), and ``EngineDeadError`` if the engine loop stopped.
-        Iterate the stream to its end or ``aclose()`` it: closing or cancelling aborts.
+        ``max_waiting_requests`` requests wait already (unless it takes one of the places of ``reservation``, see
+        ``reserve``), and ``EngineDeadError`` if the engine loop stopped. Iterate the stream to its end or
+        ``aclose()`` it: closing or cancelling aborts.
         """
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
-        self._submit(_Add(request_id, prompt, params or SamplingParams(), stream, accepted), admitted)
+        self._submit(_Add(request_id, prompt, params or SamplingParams(), stream, accepted), reservation)
         try:
             await accepted
         except asyncio.CancelledError:
@@ -184,18 +198,40 @@ class AsyncLLMEngine:
             self._wake.notify()
         self._thread.join(timeout)
 
-    def _submit(self, add: _Add, admitted: bool = False) -> None:
+    def _submit(self, add: _Add, reservation: Reservation | None = None) -> None:
         with self._lock:
-            if self._error is not None or self._stopping:
-                raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
-            bound = self.max_waiting_requests
-            if bound is not None and not admitted and self._num_adds + self._num_waiting >= bound:
-                raise QueueFullError(f"the server is busy: {bound} requests are already waiting "
-                                     f"(max_waiting_requests); retry after {self.retry_after:g} s",
-                                     self.retry_after)
+            if reservation is None:
+                self._hold(1)
+            else:
+                self._check_running()
+                reservation.take()
+            self._num_reserved -= 1
             self._num_adds += 1
             self._commands.append(add)
             self._wake.notify()
+
+    def _check_running(self) -> None:
+        if self._error is not None or self._stopping:
+            raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
+
+    def _hold(self, count: int) -> None:
+        """Count ``count`` more requests as waiting, or raise (under the lock)."""
+        self._check_running()
+        bound = self.max_waiting_requests
+        if bound is not None:
+            if count > bound:
+                raise ValueError(f"{count} requests at once are more than max_waiting_requests={bound}: they could "
+                                 f"never all wait")
+            if self._num_adds + self._num_waiting + self._num_reserved + count > bound:
+                waiting = self._num_adds + self._num_waiting + self._num_reserved
+                raise QueueFullError(f"the server is busy: {waiting} requests are waiting and the bound is {bound} "
+                                     f"(max_waiting_requests)" + (f", too few places for {count}" if count > 1 else "")
+                                     + f"; retry after {self.retry_after:g} s", self.retry_after)
+        self._num_reserved += count
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._num_reserved -= count
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -321,6 +357,27 @@ class RequestStream:
         if not self._done:
             self._done = True
             self._engine._abort(_Abort(self.request_id, self._stream))
+
+
+class Reservation:
+    """Places held in an ``AsyncLLMEngine``'s bound of waiting requests (``AsyncLLMEngine.reserve``): each
+    ``add_request(..., reservation=...)`` takes one; ``release()`` gives back those not taken (at most once)."""
+
+    def __init__(self, engine: AsyncLLMEngine, count: int) -> None:
+        self._engine = engine
+        self.left = count
+
+    def take(self) -> None:
+        """Use one place (the engine calls it under its lock)."""
+        if self.left < 1:
+            raise ValueError("this reservation has no place left")
+        self.left -= 1
+
+    def release(self) -> None:
+        """Give back the places not taken."""
+        left, self.left = self.left, 0
+        if left:
+            self._engine._release(left)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

@@ -23,7 +23,8 @@ loads every instance reports with each reply.
   side is ``engine/instance_child.py``. Instances step independently: ``step()`` starts a step on every
   instance with work that is not stepping already and returns once at least one has ended, so forward passes run
   at the same time and a decode instance never waits for a prefill instance's chunk.
-- Faults: an instance that dies is noticed within ~50 ms of its exit (a reply never hangs on a dead process).
+- Faults: an instance that dies is noticed within ~50 ms of its exit, busy or idle (a reply never hangs on a dead
+  process, a step checks the instances it does not wait for, and ``check_health`` runs between steps).
   A dead prefill instance's unfinished prompts go to another prefill instance, or, with none left, to a decode
   instance that prefills them itself; a dead decode instance or replica ends its requests with
   ``finish_reason="error"`` (the message names the instance), and new requests go to the others; with none of a
@@ -437,7 +438,10 @@ class ProcessEngine:
         picks. Returns the outputs of decode instances and replicas (a prefill instance's one token is not an
         output: the decode instance samples the first token again), and ``finish_reason="error"`` outputs for
         requests lost with an instance. Raises ``EngineDeadError`` when a role the layout needs has no instance
-        left."""
+        left. An instance that is not stepping (an idle prefill instance while decodes run) and has exited is
+        noticed here too, and every ``_POLL`` seconds of a long wait: ``/health`` says so within a step, busy or
+        idle."""
+        self._notice_exits()
         for inst in self._live():
             if inst.busy and not inst.stepping:
                 try:
@@ -458,6 +462,9 @@ class ProcessEngine:
             if hung:
                 for inst in hung:
                     self._hung(inst)
+                break
+            self._notice_exits()
+            if any(not i.stepping for i in stepping):  # a loss took a step's reply (its PeerDown waits for it)
                 break
         self._process()
         outputs, self._outputs = self._outputs, []
@@ -591,13 +598,18 @@ class ProcessEngine:
         """Between steps (``AsyncLLMEngine`` calls it while idle): notice instances that exited, handle them as
         a step would (their requests rerouted or ended), and raise ``EngineDeadError`` if a role the layout needs
         has none left (the other instances are stopped then)."""
+        self._notice_exits()
+        self._check_roles()
+
+    def _notice_exits(self) -> None:
+        """Handle the live instances not stepping whose process has exited (a stepping one's exit ends the step's
+        wait): their requests rerouted or ended, as a step would."""
         for inst in self._live():
             if not inst.stepping and inst.process.exitcode is not None:
                 try:
                     inst.check_alive()
                 except InstanceLost as e:
                     self._lost(inst, str(e))
-        self._check_roles()
 
     def instance_states(self) -> dict[str, dict[str, int]]:
         """Per role of the layout: instances ``alive``, ``lost`` and ``stopped`` (``InstanceGroup.states``)."""

@@ -165,12 +165,13 @@ class LLMEngine:
         ``ValueError`` for bad input; the engine is unchanged then."""
         params = params or SamplingParams()
         _check_request(request_id, params, self.model_config.vocab_size)
+        stop = frozenset(params.stop_token_ids) if params.ignore_eos else \
+            frozenset(params.stop_token_ids) | self.eos_token_ids
+        _check_min_tokens(request_id, params, stop, self.model_config.vocab_size)
         if num_external_tokens and self.kv_connector is None:
             raise ValueError(f"request {request_id!r}: num_external_tokens={num_external_tokens!r} needs an engine "
                              f"with a KV connector")
         text, token_ids = self._tokenize(request_id, prompt)
-        stop = frozenset(params.stop_token_ids) if params.ignore_eos else \
-            frozenset(params.stop_token_ids) | self.eos_token_ids
         arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params.max_tokens, stop, arrival)
         self.scheduler.add(request, num_external_tokens)
@@ -388,6 +389,16 @@ def _check_request(request_id: str, params: SamplingParams, vocab: int) -> None:
     if params.num_completions > 1:
         raise ValueError(f"request {request_id!r}: n={params.n}, best_of={params.best_of}: a request of the "
                          f"step API is one completion; LLM.generate and the server run several")
+
+
+def _check_min_tokens(request_id: str, params: SamplingParams, stop: frozenset[int], vocab: int) -> None:
+    """Refuse a request whose ``min_tokens`` leaves no token to sample: the sampler bans its stop tokens (EOS
+    included unless ``ignore_eos``) until ``min_tokens`` are out, and a ban on the whole vocabulary would leave it
+    nothing but garbage and NaN log-probabilities."""
+    if params.min_tokens and sum(t < vocab for t in stop) >= vocab:
+        raise ValueError(f"request {request_id!r}: min_tokens={params.min_tokens} bans the stop tokens until then, "
+                         f"and stop_token_ids{'' if params.ignore_eos else ' with EOS'} cover all {vocab} token "
+                         f"ids of the vocabulary: no token could be sampled; drop min_tokens or some stop_token_ids")
 
 
 def _predictor(config: EngineConfig) -> Any:

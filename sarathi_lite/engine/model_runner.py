@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,10 +69,13 @@ def runner_view(model: CausalLM) -> CausalLM:
 
 def rank_kv_pool(config: EngineConfig, model_config: ModelConfig, tensor_parallel_size: int, dtype: torch.dtype,
                  device: torch.device) -> KVPool:
-    """The KV pool ``config`` gives on this rank's ``device`` (whose K/V per token are its own KV heads')."""
-    pool = config.kv_pool(kv_bytes_per_token=model_config.kv_bytes_per_token(dtype.itemsize, tensor_parallel_size),
-                          max_position_embeddings=model_config.max_position_embeddings,
+    """The KV pool ``config`` gives on this rank's ``device`` (whose K/V per token are its own KV heads').
+    Raises ``ValueError`` naming the option when ``num_kv_blocks`` or ``kv_cache_memory`` asks for more memory than
+    the device has free, before anything is allocated."""
+    per_token = model_config.kv_bytes_per_token(dtype.itemsize, tensor_parallel_size)
+    pool = config.kv_pool(kv_bytes_per_token=per_token, max_position_embeddings=model_config.max_position_embeddings,
                           kv_cache_memory=default_kv_budget(config, device))
+    _check_kv_fits(config, pool.num_blocks * pool.block_size * per_token, device)
     if pool.kv_cache_memory is not None:
         logger.info("KV pool from a %.0f MiB budget: %d blocks of %d tokens", pool.kv_cache_memory / 2**20,
                     pool.num_blocks, pool.block_size)
@@ -88,6 +92,34 @@ def default_kv_budget(config: EngineConfig, device: torch.device) -> int | None:
         free, total = torch.cuda.mem_get_info(device)
         return device_kv_budget(free, total, config.gpu_memory_utilization)
     return DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def _check_kv_fits(config: EngineConfig, needed: int, device: torch.device) -> None:
+    """Refuse a KV pool of ``needed`` bytes that the options size (``num_kv_blocks``, ``kv_cache_memory``) when
+    ``device`` has less memory free (the default budget is sized from the device already)."""
+    option = "num_kv_blocks" if config.num_kv_blocks is not None else \
+        "kv_cache_memory" if config.kv_cache_memory is not None else None
+    free = None if option is None else free_memory(device)
+    if free is not None and needed > free:
+        raise ValueError(f"{option}={getattr(config, option)} needs {needed / 2**30:.4g} GiB for the KV pool "
+                         f"({needed} bytes), more than the {free / 2**30:.4g} GiB free on {device}: lower {option}")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device``: CUDA's free memory, the host's available memory (``MemAvailable``, else its
+    physical memory) for the CPU; ``None`` for other devices."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class ModelRunner:

@@ -12,6 +12,10 @@ import torch
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.kernels import apply_logit_bias, apply_penalties, sample
 
+MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
+"""The smallest ``top_p`` the sampling kernels get (float32's smallest normal number, about 1.2e-38): any
+``top_p`` at or below it keeps only the most likely token."""
+
 History = tuple[Sequence[int], Sequence[int]]
 """A request's ``(prompt token ids, output token ids so far)``: what its penalties look at."""
 
@@ -64,7 +68,9 @@ class Sampler:
         else:
             dev = logits.device
             temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            # a top_p below float32's smallest normal number (validation takes any top_p > 0) would round to 0
+            # or a denormal: raised to it, the smallest top_p keeps exactly the most likely token
+            top_p = torch.tensor([max(p.top_p, MIN_TOP_P) for p in params], dtype=torch.float32, device=dev)
             top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int64, device=dev)
             generators = [self._generator(rid, p) for rid, p in zip(request_ids, params)]
             tokens = sample(logits, temperature, top_p, top_k, generators)

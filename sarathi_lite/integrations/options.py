@@ -62,6 +62,23 @@ def check_options(raw: Mapping[str, Any], policies: Sequence[str]) -> None:
         raise ValueError(f"sarathi_lite step_log={step_log!r} must be a file path")
 
 
+def _step_log(value: Any) -> Path | None:
+    """The ``step_log`` path, opened for appending once here so that a directory or a path this process cannot
+    write is refused now, not inside the host's start-up."""
+    if value is None or value == "":
+        return None
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"sarathi_lite step_log={value!r} is a directory; give a file path (JSON lines are "
+                         f"appended to it)")
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"sarathi_lite step_log={value!r} cannot be written: {e.strerror or e}") from None
+    return path
+
+
 def build_options(raw: Mapping[str, Any], policies: Sequence[str], *, chunk_size: int | str,
                   max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
                   long_prefill_token_threshold: int | None, enable_prefix_caching: bool) -> PluginOptions:
@@ -70,6 +87,13 @@ def build_options(raw: Mapping[str, Any], policies: Sequence[str], *, chunk_size
     message names its own setting) and the cost model of ``"auto"``. Raises ``ValueError`` naming the bad value
     (``SchedulerConfig``'s own checks included)."""
     check_options(raw, policies)
+    min_chunk_size = raw.get("min_chunk_size")
+    budget = max_num_batched_tokens if chunk_size == "auto" else chunk_size
+    if isinstance(min_chunk_size, int) and not isinstance(min_chunk_size, bool) and min_chunk_size > budget:
+        raise ValueError(f"sarathi_lite min_chunk_size={min_chunk_size} is above the token budget of a step ("
+                         + ("the host's max_num_batched_tokens" if chunk_size == "auto" else "chunk_size")
+                         + f"={budget}): no step could grant it")
+    step_log = _step_log(raw.get("step_log"))
     extra = {k: raw[k] for k in ("tbt_slo", "tbt_percentile", "budget_safety", "min_chunk_size", "hol_protection")
              if k in raw}
     config = SchedulerConfig(
@@ -77,6 +101,7 @@ def build_options(raw: Mapping[str, Any], policies: Sequence[str], *, chunk_size
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
         num_blocks=num_blocks, long_prefill_token_threshold=long_prefill_token_threshold,
         enable_prefix_caching=enable_prefix_caching, **extra)
-    cost_model = load_cost_model(raw["cost_model"]) if chunk_size == "auto" else None
-    step_log = raw.get("step_log")
-    return PluginOptions(raw.get("policy", policies[0]), config, cost_model, Path(step_log) if step_log else None)
+    spec = raw.get("cost_model")
+    cost_model = load_cost_model(spec) if spec is not None else None  # checked even where a fixed budget ignores it
+    return PluginOptions(raw.get("policy", policies[0]), config, cost_model if chunk_size == "auto" else None,
+                         step_log)

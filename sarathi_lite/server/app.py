@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sarathi_lite.engine.async_engine import AsyncLLMEngine, RequestStream
+from sarathi_lite.engine.async_engine import AsyncLLMEngine, RequestStream, Reservation
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.parallel_sampling import child_ids, child_params, pick
@@ -44,6 +45,11 @@ from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionReques
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+_PID = re.compile(r" \(pid \d+\)")  # how a lost worker's or instance's message names its process
+MIN_LOGPROB = -9999.0
+"""The log-probability the wire carries for a token that cannot be sampled (-inf: a token that ``min_tokens``
+bans still appears among ``top_logprobs`` when fewer tokens are left than asked for); JSON has no infinity, and
+-9999.0 is vLLM's value."""
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there (seconds)
 T = TypeVar("T")
 
@@ -78,16 +84,20 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, config: S
     @app.get("/health")
     async def health() -> dict[str, Any]:
         """200 ``{"status": "ok"}`` while the engine runs; with instances (``--instances``) also their count per
-        role and state, and ``"degraded"`` once one is lost. 503 naming why once the engine cannot serve."""
+        role and state, and ``"degraded"`` once one is lost. 503 naming why once the engine cannot serve (without
+        process ids: the route is open to anyone who can reach the port; the log has them)."""
         instances = None if states is None else states()
         if not aengine.is_running:
             detail = "" if instances is None else f" (instances: {json.dumps(instances)})"
-            raise APIError(503, f"the engine is not running: {aengine.dead_reason}{detail}", type="server_error",
+            reason = _PID.sub("", aengine.dead_reason or "")
+            raise APIError(503, f"the engine is not running: {reason}{detail}", type="server_error",
                            code="engine_dead")
         if instances is None:
             return {"status": "ok"}
         lost = any(s["lost"] or s["stopped"] for s in instances.values())
         return {"status": "degraded" if lost else "ok", "instances": instances}
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # load balancers probe with it
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -139,16 +149,25 @@ class _Server:
             raise APIError(400, "echo with logprobs needs the prompt tokens' logprobs, which this server does not "
                                 "compute; drop one of them", param="echo")
         prompts = body.prompts()
+        cap = self.config.max_prompts_per_request
+        if len(prompts) > cap:
+            raise APIError(400, f"the request has {len(prompts)} prompts; this server takes at most {cap} in one "
+                                f"request (max_prompts_per_request)", param="prompt")
         several = len(prompts) > 1
         token_ids, params, echoes = [], [], []
-        for i, prompt in enumerate(prompts):
-            where = f"prompt[{i}]" if several else "prompt"
-            ids = await self._prompt_ids(prompt, where)
-            max_tokens = self._fit(len(ids), body.max_tokens, where, "prompt", "max_tokens",
-                                   self.config.completions_default_max_tokens)
-            token_ids.append(ids)
-            params.append(self._params(body, max_tokens, body.logprobs))
-        group = await self._start(body, token_ids, params, "cmpl")
+        reservation = self._reserve(body, len(prompts))  # before the tokenizer's work: a full queue costs nothing
+        try:
+            for i, prompt in enumerate(prompts):
+                where = f"prompt[{i}]" if several else "prompt"
+                ids = await self._prompt_ids(prompt, where)
+                max_tokens = self._fit(len(ids), body.max_tokens, where, "prompt", "max_tokens",
+                                       self.config.completions_default_max_tokens)
+                token_ids.append(ids)
+                params.append(self._params(body, max_tokens, body.logprobs))
+        except BaseException:
+            reservation.release()
+            raise
+        group = await self._start(body, token_ids, params, "cmpl", reservation)
         if body.echo:  # after the engine took the ids: only ids inside the vocabulary are decoded
             try:
                 echoes = [p if isinstance(p, str) else await self._decode(ids) for p, ids in zip(prompts, token_ids)]
@@ -185,7 +204,8 @@ class _Server:
         top = None if not body.logprobs else (body.top_logprobs or 0)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        group = await self._start(body, [prompt_ids], [self._params(body, max_tokens, top)], "chatcmpl")
+        params = self._params(body, max_tokens, top)
+        group = await self._start(body, [prompt_ids], [params], "chatcmpl", self._reserve(body, 1))
         fmt = _Format(self, group.request_id, "chat.completion", chat=True, top_logprobs=top)
         return await self._respond(body, group, fmt, request, deadline)
 
@@ -240,17 +260,34 @@ class _Server:
                                 f"known only at the end", param="best_of")
         return params
 
+    def _reserve(self, body: _SamplingRequest, num_prompts: int) -> Reservation:
+        """Places in the queue bound for every completion of every prompt (``AsyncLLMEngine.reserve``): 503 when
+        they do not all fit now, 400 when they never could."""
+        completions = max(body.n, body.best_of or body.n)
+        count = num_prompts * completions
+        bound = self.config.max_waiting_requests
+        if bound is not None and count > bound:
+            what = f"{num_prompts} prompts x {completions} completions" if num_prompts > 1 else \
+                f"{completions} completions"
+            raise APIError(400, f"the request needs {what} = {count} requests, more than the {bound} this server "
+                                f"queues (max_waiting_requests)", param="prompt" if num_prompts > 1 else "n")
+        try:
+            return self.aengine.reserve(count)
+        except Exception as e:  # a full queue (503 with Retry-After), a dead engine (503)
+            raise to_api_error(e) from e
+
     async def _start(self, body: _SamplingRequest, token_ids: list[list[int]], params: list[SamplingParams],
-                     prefix: str) -> _Choices:
-        group = _Choices(self.aengine, f"{prefix}-{uuid.uuid4().hex}", token_ids, params)
+                     prefix: str, reservation: Reservation) -> _Choices:
+        group = _Choices(self.aengine, f"{prefix}-{uuid.uuid4().hex}", token_ids, params, reservation)
         try:
             await group.start()
-        except ValueError as e:
+        except BaseException as e:  # those that started are aborted, the places not used given back
             await group.aclose()
-            raise to_api_error(e, "messages" if prefix == "chatcmpl" else "prompt") from e
-        except Exception as e:  # a full queue (503 with Retry-After), a dead engine (503)
-            await group.aclose()
-            raise to_api_error(e) from e
+            if isinstance(e, ValueError):
+                raise to_api_error(e, "messages" if prefix == "chatcmpl" else "prompt") from e
+            if isinstance(e, Exception):  # a dead engine (503)
+                raise to_api_error(e) from e
+            raise
         return group
 
     async def _respond(self, body: _SamplingRequest, group: _Choices, fmt: _Format, request: Request,
@@ -327,13 +364,15 @@ class _Server:
 
 class _Choices:
     """The engine requests behind one HTTP request: per prompt, its ``num_completions`` completions
-    (``parallel_sampling``). The first completion of each prompt starts at once; the others once it has its first
-    output, so they take the prompt's KV blocks from the prefix cache. Outputs of all of them arrive on one
-    queue, tagged ``(prompt, completion)``."""
+    (``parallel_sampling``), all counted against the queue bound by ``reservation`` (the group releases what it
+    did not use when it closes). The first completions of all prompts are added together, in one command batch
+    of the engine thread; the others once their prompt's first has its first output, so they take the prompt's KV
+    blocks from the prefix cache. Outputs of all of them arrive on one queue, tagged ``(prompt, completion)``."""
 
     def __init__(self, aengine: AsyncLLMEngine, request_id: str, token_ids: list[list[int]],
-                 params: list[SamplingParams]) -> None:
+                 params: list[SamplingParams], reservation: Reservation) -> None:
         self.aengine = aengine
+        self.reservation = reservation
         self.request_id = request_id
         self.token_ids = token_ids
         self.params = params
@@ -347,19 +386,19 @@ class _Choices:
         self._expected = sum(p.num_completions for p in params)
 
     async def start(self) -> None:
-        """Add the first completion of every prompt; raises what ``AsyncLLMEngine.add_request`` raises (the caller
-        then closes the group)."""
-        for i in range(len(self.params)):
-            try:
-                await self._add(i, 0)
-            except ValueError as e:
-                if len(self.params) == 1:
-                    raise
-                raise ValueError(f"prompt[{i}]: {e}") from e
+        """Add the first completion of every prompt, all submitted before any is awaited (so a request of many
+        prompts is in the engine after one step, not one prompt per step); raises the first error
+        ``AsyncLLMEngine.add_request`` raised (the caller then closes the group, aborting those that started)."""
+        results = await asyncio.gather(*(self._add(i, 0) for i in range(len(self.params))), return_exceptions=True)
+        for i, result in enumerate(results):
+            if isinstance(result, ValueError) and len(self.params) > 1:
+                raise ValueError(f"prompt[{i}]: {result}") from result
+            if isinstance(result, BaseException):
+                raise result
 
     async def _add(self, i: int, k: int) -> None:
         stream = await self.aengine.add_request(self.token_ids[i], self.children[i][k], self.ids[i][k],
-                                                admitted=i > 0 or k > 0)  # counted once against the bound
+                                                reservation=self.reservation)
         self._streams.append(stream)
         self._tasks.append(asyncio.ensure_future(self._pump(i, k, stream)))
 
@@ -397,13 +436,14 @@ class _Choices:
         return self.done
 
     async def aclose(self) -> None:
-        """Abort every completion not finished yet."""
+        """Abort every completion not finished yet, and give back the queue places of those never added."""
         for task in self._tasks:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks)
         for stream in self._streams:
             await stream.aclose()
+        self.reservation.release()
 
     def usage(self, finals: dict[tuple[int, int], RequestOutput]) -> dict[str, Any]:
         """OpenAI's usage: each prompt counted once, every generated completion's tokens (``best_of`` ones
@@ -475,17 +515,17 @@ class _Format:
             content = []
             for tid, (lp, top) in zip(token_ids, logprobs):
                 s = name(tid)
-                content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode())}
-                                                 for t, v in top.items()]})
+                content.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode()),
+                                "top_logprobs": [{"token": name(t), "logprob": _finite(v),
+                                                  "bytes": list(name(t).encode())} for t, v in top.items()]})
             return {"content": content}
         tokens, token_logprobs, tops, offsets = [], [], [], []
         offset = self._text_offset.get(index, 0)
         for tid, (lp, top) in zip(token_ids, logprobs):
             s = name(tid)
             tokens.append(s)
-            token_logprobs.append(lp)
-            tops.append({name(t): v for t, v in top.items()})
+            token_logprobs.append(_finite(lp))
+            tops.append({name(t): _finite(v) for t, v in top.items()})
             offsets.append(offset)
             offset += len(s)
         self._text_offset[index] = offset
@@ -507,5 +547,11 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
     return usage
 
 
+def _finite(logprob: float) -> float:
+    """``logprob`` as JSON can carry it: ``MIN_LOGPROB`` for -inf (or NaN, which no valid request produces)."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    # allow_nan=False: a non-finite number becomes an error event (valid JSON), never a bare NaN on the wire
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"

@@ -17,8 +17,13 @@ class ServerConfig:
 
     max_waiting_requests: int | None = field(default=256, metadata={
         "help": "requests that may wait for the engine (not yet running) before new ones get 503 with "
-                "Retry-After: a client then retries or goes elsewhere instead of queueing for minutes; about two "
-                "full batches of the default max_num_seqs (0: no bound)"})
+                "Retry-After: a client then retries or goes elsewhere instead of queueing for minutes; every "
+                "prompt x n (or best_of) of an HTTP request counts, and a request counting more than the bound is "
+                "a 400; about two full batches of the default max_num_seqs (0: no bound)"})
+    max_prompts_per_request: int = field(default=128, metadata={
+        "help": "most prompts in one /v1/completions request (400 above it): each is tokenized and queued as a "
+                "request of its own, and every prompt x n (or best_of) counts against max_waiting_requests; 128, "
+                "half the default queue bound, so one request cannot fill it"})
     retry_after: int = field(default=1, metadata={
         "help": "seconds a 503 for a full queue asks the client to wait (the Retry-After header)"})
     max_body_bytes: int = field(default=4 << 20, metadata={
@@ -48,8 +53,8 @@ class ServerConfig:
                 "context"})
 
     def __post_init__(self) -> None:
-        for name in ("max_waiting_requests", "retry_after", "max_body_bytes", "chat_default_max_tokens",
-                     "completions_default_max_tokens"):
+        for name in ("max_waiting_requests", "max_prompts_per_request", "retry_after", "max_body_bytes",
+                     "chat_default_max_tokens", "completions_default_max_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_waiting_requests":
                 continue
@@ -57,7 +62,8 @@ class ServerConfig:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0")
         if self.max_waiting_requests == 0:
             self.max_waiting_requests = None
-        for name in ("max_body_bytes", "chat_default_max_tokens", "completions_default_max_tokens"):
+        for name in ("max_prompts_per_request", "max_body_bytes", "chat_default_max_tokens",
+                     "completions_default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("header_timeout", "body_timeout", "request_timeout"):

@@ -67,12 +67,20 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if loc[-1:] == ["[key]"] and len(loc) > 1 and isinstance(first.get("input"), str):
+        loc[-2] = first["input"]  # a bad map key: pydantic's loc has it with lone surrogates replaced by U+FFFD
+    loc = [_escaped(p) for p in loc]
     # a union field reports one error per member type; name the field, not the member
     param = ".".join(p for p in loc if not _is_type_name(p)) or None
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
     if "input" in first and param is not None and not isinstance(first["input"], (dict, list)):
         message += f" (got {first['input']!r})"
     return APIError(400, message, param=param)
+
+
+def _escaped(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes (a client's JSON can carry them; UTF-8 cannot)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _is_type_name(part: str) -> bool:

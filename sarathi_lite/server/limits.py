@@ -26,8 +26,9 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class Limits:
-    """ASGI middleware: 401 without the API key (``/health`` and ``/metrics`` stay open unless
-    ``auth_health_and_metrics``), 413 for a body over ``max_body_bytes`` (by its ``content-length`` before
+    """ASGI middleware: 401 without the API key, 400 with several ``Authorization`` headers (``/health`` and
+    ``/metrics`` stay open unless ``auth_health_and_metrics``), 415 for a compressed body (a ``Content-Encoding``
+    other than ``identity``), 413 for a body over ``max_body_bytes`` (by its ``content-length`` before
     reading, or as it arrives), 408 when the body is not in ``body_timeout`` seconds after the headers. The app
     then gets the whole body in one message (as FastAPI reads it anyway); later ``receive`` calls (disconnect
     checks) reach the client."""
@@ -42,8 +43,14 @@ class Limits:
             await self.app(scope, receive, send)
             return
         cfg = self.config
-        headers = dict(scope.get("headers") or ())
+        raw = scope.get("headers") or ()
+        headers = dict(raw)
         if self._key is not None and (scope["path"] not in OPEN_PATHS or cfg.auth_health_and_metrics):
+            count = sum(name == b"authorization" for name, _ in raw)
+            if count > 1:  # which one counts would be up to each proxy on the way: none does
+                await _reply(send, APIError(400, f"the request has {count} Authorization headers; send one",
+                                            code="invalid_api_key"), close=True)
+                return
             if not self._authorized(headers.get(b"authorization", b"")):
                 await _reply(send, APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
                                             code="invalid_api_key"))
@@ -54,6 +61,12 @@ class Limits:
                 await _reply(send, APIError(400, f"content-length {length[:40]!r} is not a byte count"), close=True)
             else:
                 await _reply(send, _too_large(int(length), cfg.max_body_bytes), close=True)
+            return
+        encoding = headers.get(b"content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity"):
+            await _reply(send, APIError(415, f"Content-Encoding {encoding.decode('latin-1')[:40]!r} is not supported: "
+                                             f"send the body uncompressed", code="unsupported_content_encoding"),
+                         close=True)
             return
         body = await self._read_body(receive, send)
         if body is None:

@@ -26,6 +26,10 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
     """Parse ``additional_config["sarathi_lite"]`` against vLLM's scheduler limits. Raises ``ValueError`` naming
     the bad key or value (an unknown key, a chunk size above ``max_num_batched_tokens``, ``"auto"`` without
     ``tbt_slo`` or ``cost_model``, a string where a number belongs, ...)."""
+    if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
+            or max_num_batched_tokens < 1:
+        raise ValueError(f"vLLM's max_num_batched_tokens={max_num_batched_tokens!r} must be a positive integer (the "
+                         f"sarathi_lite chunk_size is at most it)")
     raw = (additional_config or {}).get(OPTIONS_KEY, {})
     if not isinstance(raw, Mapping):
         raise ValueError(f"additional_config[{OPTIONS_KEY!r}] must be a JSON object, not {raw!r}")
