@@ -31,6 +31,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
+from sarathi_lite.bench.results import host
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -109,10 +111,10 @@ def main() -> None:
     print(f"this/other per round: median {ratio:.3f} (min {min(r['ratio'] for r in rounds):.3f}, "
           f"max {max(r['ratio'] for r in rounds):.3f}); load average {os.getloadavg()}")
     record = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["python", *sys.argv]).replace(str(args.other), "<other checkout>"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(ROOT), "other_commit": commit(args.other),
-        "requests": args.requests, "hol_protection": hol, "loadavg": os.getloadavg(), "cores": os.cpu_count(),
+        "machine": host(), "requests": args.requests, "hol_protection": hol, "loadavg": os.getloadavg(),
         "median_ratio": ratio, "this_us": this_us, "other_us": other_us, "rounds": rounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
