@@ -35,3 +35,31 @@ def test_contract_harness_passes_on_vllms_own_scheduler(release):
     print(tail)
     assert result.returncode == 0, tail + result.stderr[-3000:]
     assert " passed" in tail and "failed" not in tail.splitlines()[-1], tail
+
+
+def test_sim_runs_the_installed_vllms_own_scheduler_beside_ours(tmp_path):
+    from sarathi_lite.bench.results import BenchResult
+    from sarathi_lite.cli import main
+
+    release = SUPPORTED_VLLM_VERSIONS[-1].rsplit(".", 1)[0]
+    assert (venv_of(release) / "bin" / "python").exists(), "run scripts/setup_vllm_harness.sh"
+    assert main(["sim", "--policies", f"vllm@{release},sarathi", "--cost-model", "roofline:h100:llama3-8b",
+                 "--trace", "conversation", "--num-requests", "30", "--qps", "4", "--chunk-sizes", "256",
+                 "--out", str(tmp_path)]) == 0
+    ours = BenchResult.from_json(tmp_path / "sarathi_256.json")
+    theirs = BenchResult.from_json(tmp_path / f"vllm_{release}_256.json")
+    assert theirs.config["vllm_version"].startswith(release + ".") and theirs.config["policy"] == f"vllm@{release}"
+    for result in (ours, theirs):
+        summary = result.stats.summary()
+        assert summary["num_requests"] == 30
+        assert summary["output_tokens"] == sum(r.output_len for r in result.workload.requests)
+
+
+def test_sim_refuses_a_badly_spelled_or_missing_vllm_release(tmp_path):
+    from sarathi_lite.cli import main
+
+    args = ["--cost-model", "roofline:h100:llama3-8b", "--num-requests", "5", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="vllm@X.Y"):
+        main(["sim", "--policies", "vllm@latest", *args])
+    with pytest.raises(ValueError, match="no vLLM 0.99"):
+        main(["sim", "--policies", "vllm@0.99", *args])

@@ -28,6 +28,7 @@ def test_supported_releases_pass_and_others_are_refused_naming_the_supported_one
 def test_each_release_has_its_adapter_and_later_releases_refuse_more():
     releases = [adapter(v) for v in ("0.32.0+cpu", "0.33.0", "0.34.0")]
     assert [r.RELEASE for r in releases] == ["0.32", "0.33", "0.34"]
+    assert [r.RUNNER_OUTPUT_INDEX for r in releases] == [True, True, False]  # 0.34 dropped req_id_to_index
     fields = [{c.field for c in r.CONFLICTS} for r in releases]
     assert fields[0] == {"long_prefill_token_threshold_adaptive"}
     assert fields[1] == fields[0] | {"prefill_schedule_interval"}

@@ -36,7 +36,7 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from .version import check_vllm_version  # noqa: E402
+from .version import adapter  # noqa: E402
 
 VOCAB = 512
 """The tiny model's vocabulary; sampled tokens are 3..VOCAB-1."""
@@ -93,7 +93,7 @@ class Harness:
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 16, max_model_len: int = 4096,
                  block_size: int = 16, num_blocks: int = 2000, enable_prefix_caching: bool = False,
                  plugin_options: Mapping[str, Any] | None = None, **scheduler_fields: Any) -> None:
-        check_vllm_version(vllm.__version__)
+        self._release = adapter(vllm.__version__)  # refuses an unsupported release
         if scheduler not in ("default", "plugin"):
             raise ValueError(f"scheduler={scheduler!r} is not 'default' or 'plugin'")
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -126,7 +126,7 @@ class Harness:
         self.steps: list[StepRecord] = []
         self.tokens: dict[str, list[int]] = {}  # request id -> output tokens emitted
         self.finish_reasons: dict[str, str] = {}
-        self.prompt_lens: dict[str, int] = {}
+        self.prompts: dict[str, list[int]] = {}  # request id -> prompt token ids
         self.arrived: dict[str, int] = {}  # request id -> index of the first step it could be scheduled in
 
     # ------------------------------------------------------------------ requests
@@ -141,7 +141,7 @@ class Harness:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop, detokenize=False)
         request = Request(request_id, tokens, params, None, arrival_time=arrival, block_hasher=self._hasher)
         self.tokens[request_id] = []
-        self.prompt_lens[request_id] = len(tokens)
+        self.prompts[request_id] = tokens
         self.arrived[request_id] = len(self.steps)
         self.scheduler.add_request(request)
 
@@ -201,15 +201,21 @@ class Harness:
             if self.step() is None and not self._queue:
                 break
 
+    @property
+    def prompt_lens(self) -> dict[str, int]:
+        """Request id -> prompt tokens."""
+        return {rid: len(tokens) for rid, tokens in self.prompts.items()}
+
     def prefill_done(self) -> dict[str, int]:
         """Request id -> index of the step that scheduled its prompt's last token (the step that samples its first
         output token), for the requests whose prompt was computed."""
         done: dict[str, int] = {}
         computed: dict[str, int] = {}
+        lens = self.prompt_lens
         for record in self.steps:
             for rid, n in record.scheduled.items():
                 computed[rid] = computed.get(rid, 0) + n
-                if rid not in done and computed[rid] >= self.prompt_lens[rid]:
+                if rid not in done and computed[rid] >= lens[rid]:
                     done[rid] = record.index
         return done
 
@@ -245,8 +251,8 @@ class Harness:
             request = sched.requests.get(rid)
             n = len(request.output_token_ids) if request is not None else 0
             sampled.append([token_of(rid, n)] if rid in sampling else [])
-        runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                                   sampled_token_ids=sampled)
+        index = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if self._release.RUNNER_OUTPUT_INDEX else {}
+        runner = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)
         finished = {}
         for outputs in sched.update_from_output(output, runner).values():
             for o in outputs.outputs:

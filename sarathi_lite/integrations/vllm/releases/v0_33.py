@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from . import Conflict
 from .v0_32 import CONFLICTS as CONFLICTS_0_32
+from .v0_32 import RUNNER_OUTPUT_INDEX  # noqa: F401  (unchanged)
 
 RELEASE = "0.33"
 CONFLICTS: tuple[Conflict, ...] = CONFLICTS_0_32 + (
