@@ -13,7 +13,8 @@ setup(
     packages=["sarathi_lite", "sarathi_lite.models", "sarathi_lite.engine", "sarathi_lite.bench",
               "sarathi_lite.bench.traces", "sarathi_lite.costs", "sarathi_lite.sim", "sarathi_lite.cli",
               "sarathi_lite.scheduler", "sarathi_lite.kernels", "sarathi_lite.server", "sarathi_lite.integrations",
-              "sarathi_lite.integrations.vllm", "sarathi_lite.integrations.transformers", "sarathi_lite.plan"],
+              "sarathi_lite.integrations.vllm", "sarathi_lite.integrations.vllm.releases",
+              "sarathi_lite.integrations.transformers", "sarathi_lite.plan"],
     package_data={"sarathi_lite.bench.traces": ["*.csv", "README.md", "LICENSE"],
                   "sarathi_lite.costs": ["data/*.json", "data/README.md", "data/LICENSE"],
                   "sarathi_lite.kernels": ["csrc/*.c"]},
@@ -43,5 +44,10 @@ setup(
         # sarathi_lite.sim.sweep's Ray backend (a local process pool needs nothing)
         "ray": ["ray>=2.40"],
     },
-    entry_points={"console_scripts": ["sarathi-lite=sarathi_lite.cli:main"]},
+    entry_points={
+        "console_scripts": ["sarathi-lite=sarathi_lite.cli:main"],
+        # vLLM calls it before it builds an engine: a configuration naming the plugin's scheduler is checked there
+        # (the vLLM release and the options), not after the model has loaded
+        "vllm.general_plugins": ["sarathi_lite = sarathi_lite.integrations.vllm.preflight:register"],
+    },
 )

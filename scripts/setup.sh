@@ -16,3 +16,5 @@ fi
 "$PY" -m pip install -q --no-deps flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71
 # vLLM's CPU build and sarathi-lite beside it, in a virtual environment of its own (.venv-vllm/): the plugin's tests
 bash scripts/setup_vllm.sh
+# vLLM 0.33 and 0.34 (CUDA wheels, no CPU build) model-free beside the CPU torch, for the contract harness's tests
+bash scripts/setup_vllm_harness.sh

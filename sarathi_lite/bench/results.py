@@ -260,7 +260,7 @@ def save_results(results: Sequence[BenchResult], out_dir: str | Path) -> list[Pa
     paths = []
     for r in results:
         stem = out / re.sub(r"[^A-Za-z0-9_.-]+", "_", r.label)
-        paths.append(stem.with_suffix(".json"))
+        paths.append(stem.with_name(stem.name + ".json"))  # a label may hold a dot (vllm@0.34/512)
         r.to_json(paths[-1])
         paths += r.to_csv(stem)
     paths.append(out / "summary.csv")

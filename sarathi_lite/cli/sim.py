@@ -81,14 +81,34 @@ def cmd_sim(args: argparse.Namespace) -> int:
     options = {f: getattr(config, f) for f in SIM_FIELDS if f not in ("policy", "chunk_size", "cost_model")}
     print(f"workload: {workload.describe()}")
     print(f"cost model: {_describe(cost_model.describe())}")
+    real_vllm = [p for p in args.policies or () if p.startswith("vllm@")]  # vLLM's own scheduler (simclock)
+    args.policies = [p for p in args.policies or () if p not in real_vllm] or (None if not real_vllm else [])
     if args.capacity:
+        if real_vllm:
+            raise ValueError(f"--capacity does not run {', '.join(real_vllm)} yet: simulate it at given rates")
         return _capacity(args, cost_model, workload, config.chunk_size, options)
     results = sim.run(workload, cost_model, policies=policies(args),
-                      chunk_sizes=args.chunk_sizes or [config.chunk_size], **options)
+                      chunk_sizes=args.chunk_sizes or [config.chunk_size], **options) if args.policies != [] else []
+    results += _real_vllm(real_vllm, args, workload, config.chunk_size, options)
     wall = sum(r.meta["wall_time"] for r in results)
     print(f"\nsimulated {len(results)} configuration(s) in {wall:.2f} s")
     save_comparison(results, args.out, plot="sim.png" if args.plot else None)
     return 0
+
+
+def _real_vllm(chosen: list[str], args: argparse.Namespace, workload: Workload, chunk_size: int | str,
+               options: dict[str, Any]) -> list[BenchResult]:
+    """The ``vllm@X.Y`` policies: that release's own scheduler on the simulated clock, each chunk size as its
+    ``max_num_batched_tokens`` (``sarathi_lite.integrations.vllm.simclock``)."""
+    if not chosen:
+        return []
+    from sarathi_lite.integrations.vllm.simclock import run_policy
+
+    rest = {k: v for k, v in options.items() if k not in ("max_num_batched_tokens", "long_prefill_token_threshold")}
+    budgets = [c for c in args.chunk_sizes or [chunk_size] if c != "auto"] or [2048]
+    return [run_policy(policy, workload, args.cost_model, chunk_size=budget,
+                       long_prefill_token_threshold=options.get("long_prefill_token_threshold") or 0, **rest)
+            for policy in chosen for budget in budgets]
 
 
 def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Workload, chunk_size: int | str,

@@ -43,3 +43,16 @@ def parse_options(additional_config: Mapping[str, Any] | None, *, max_num_batche
                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                          num_blocks=num_blocks, long_prefill_token_threshold=long_prefill_token_threshold or None,
                          enable_prefix_caching=enable_prefix_caching)
+
+
+def describe(options: PluginOptions) -> str:
+    """The options in effect, in one line for the log (``policy sarathi, chunk_size 256, ...``)."""
+    config = options.config
+    if options.policy == "vllm_v1":
+        return "policy vllm_v1 (vLLM's own rule, steps only logged)"
+    parts = [f"policy {options.policy}", f"chunk_size {config.chunk_size}", f"hol_protection {config.hol_protection}"]
+    if config.auto_budget:
+        parts += [f"tbt_slo {config.tbt_slo}", f"tbt_percentile {config.tbt_percentile}",
+                  f"cost_model {type(options.cost_model).__name__}", f"min_chunk_size {config.min_chunk_size}"]
+    parts.append(f"step_log {options.step_log or 'in memory only'}")
+    return ", ".join(parts)

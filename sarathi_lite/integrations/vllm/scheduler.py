@@ -30,15 +30,18 @@ import time
 from collections import deque
 from typing import Any
 
+import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput, TokenBudget
 from sarathi_lite.scheduler.plan import RequestView, StepPlan, make_policy
 
-from .options import parse_options
+from .options import describe
+from .preflight import check_vllm_config
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.sarathi_lite")
+"""Under vLLM's ``vllm`` logger, whose handler vLLM configures, so its lines appear in vLLM's log."""
 
 STEP_LOG_LENGTH = 100_000
 """Step records kept in memory (the oldest are dropped)."""
@@ -57,20 +60,10 @@ class SarathiScheduler(AsyncScheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        sched = self.scheduler_config
-        if not isinstance(self.waiting, FCFSRequestQueue):
+        self.options = check_vllm_config(self.vllm_config, vllm.__version__, self.kv_cache_config.num_blocks)
+        if not isinstance(self.waiting, FCFSRequestQueue):  # vLLM's policy check, as the queue it built says
             raise ValueError(f"sarathi_lite's scheduler orders requests itself: use vLLM's scheduling policy "
-                             f"'fcfs', not {sched.policy!r}")
-        if not sched.enable_chunked_prefill:
-            raise ValueError("sarathi_lite's scheduler chunks prompts: enable chunked prefill in vLLM")
-        if self.num_spec_tokens:
-            raise ValueError("sarathi_lite's scheduler does not support speculative decoding yet")
-        cache = self.cache_config
-        self.options = parse_options(
-            self.vllm_config.additional_config, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, block_size=self.block_size,
-            num_blocks=self.kv_cache_config.num_blocks, long_prefill_token_threshold=sched.long_prefill_token_threshold,
-            enable_prefix_caching=bool(cache.enable_prefix_caching))
+                             f"'fcfs', not {self.scheduler_config.policy!r}")
         config = self.options.config
         self.token_budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
         self.policy = make_policy(config, self.token_budget)
@@ -79,8 +72,7 @@ class SarathiScheduler(AsyncScheduler):
         # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
         self._step_started: dict[int, tuple[float, SchedulerOutput, dict[str, Any]]] = {}
         self._known: set[str] = set()  # the requests a step record has named (live ones only)
-        logger.info("sarathi_lite scheduler: policy %s, chunk_size %s, hol_protection %s", self.options.policy,
-                    config.chunk_size, config.hol_protection)
+        logger.info("sarathi_lite scheduler on vLLM %s: %s", vllm.__version__, describe(self.options))
 
     # ------------------------------------------------------------------ one step
 
