@@ -33,7 +33,7 @@ ALLOWED = {
     "sim": {"scheduler", "metrics", "models", "engine", "bench", "costs"},
     "server": {"engine"},
     "plan": {"scheduler", "metrics", "bench", "costs", "engine", "sim"},
-    "integrations": {"scheduler", "costs"},
+    "integrations": {"scheduler", "costs", "metrics", "bench", "sim"},
     "cli": {"scheduler", "metrics", "engine", "bench", "sim", "server", "costs", "plan"},
     "__main__": {"cli"},
 }
@@ -43,8 +43,14 @@ ALLOWED = {
 # entry that no import uses any more.
 FUNCTION_IMPORTS = (
     ("sarathi_lite.cli", ("sarathi_lite.engine", "sarathi_lite.bench.replay", "sarathi_lite.bench.http_client",
-                          "sarathi_lite.server", "sarathi_lite.sim.profiler", "torch", "uvicorn"),
-     "CLI commands that run a model or serve load it when they run: building the parser stays torch-free"),
+                          "sarathi_lite.server", "sarathi_lite.sim.profiler", "sarathi_lite.integrations.vllm.simclock",
+                          "torch", "uvicorn"),
+     "CLI commands that run a model, serve or run vLLM's scheduler load it when they run: building the parser stays "
+     "torch- and vLLM-free"),
+    ("sarathi_lite.integrations.vllm", ("vllm", "sarathi_lite.integrations.vllm.scheduler",
+                                        "sarathi_lite.integrations.vllm.harness"),
+     "vLLM's release is checked before any module that needs a supported release is imported, so the plugin's "
+     "entry point and its refusal load under every release"),
     ("sarathi_lite", ("tqdm", "pandas", "matplotlib", "httpx", "ray"),
      "optional dependencies, loaded where they are used (progress bars, to_pandas, plots, the HTTP client, Ray "
      "sweeps)"),

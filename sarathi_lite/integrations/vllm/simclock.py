@@ -26,7 +26,7 @@ from sarathi_lite.bench.results import BenchResult
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.metrics import MetricsRecorder
-from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput
+from sarathi_lite.scheduler import Request, ScheduledRequest, SchedulerOutput, make_scheduler
 from sarathi_lite.sim import simulator
 
 if TYPE_CHECKING:  # the harness imports vLLM: run_policy may run where only another environment has it
@@ -117,8 +117,6 @@ def replay_vllm_v1(harness: Harness, config: Any) -> list[tuple[int, dict[str, i
     step by step: ``(step, ours, vLLM's)`` token counts of every step that scheduled anything. Each request
     is added, with the same prompt token ids (prefix caching sees the same hits), before the step vLLM first saw it
     in; every sampled token is a stand-in (``vllm_v1`` ignores it)."""
-    from sarathi_lite.scheduler import Request, make_scheduler
-
     ours = make_scheduler(dataclasses.replace(config, policy="vllm_v1"))
     arrivals: dict[int, list[str]] = {}
     for rid, index in harness.arrived.items():
