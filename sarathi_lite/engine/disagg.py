@@ -39,6 +39,7 @@ from typing import Any
 from sarathi_lite.engine.kv_connector import InProcessKVConnector, kv_store
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.prompts import tokenize_prompt
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import Stats
 from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
@@ -153,7 +154,9 @@ class DisaggregatedEngine:
         params = params or SamplingParams()
         if request_id in self.coordinator.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
-        _, token_ids = self._source._tokenize(request_id, prompt)
+        source = self._source
+        _, token_ids = tokenize_prompt(source.tokenizer, source.model_path, source.model_config.vocab_size, request_id,
+                                       prompt)
         arrival = self._source.clock() if arrival_time is None else arrival_time
         self.coordinator.arrive(request_id, len(token_ids), arrival, (prompt, token_ids, params))
 

@@ -60,8 +60,8 @@ from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.instance_child import START_TIMEOUT, InstanceSpec, instance_main
 from sarathi_lite.engine.llm_engine import _load_tokenizer
 from sarathi_lite.engine.outputs import RequestOutput
-from sarathi_lite.engine.prompts import check_token_ids
-from sarathi_lite.engine.sampling_params import SamplingParams, check_text
+from sarathi_lite.engine.prompts import tokenize_prompt
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.engine.worker import _EXIT_WAIT, _SHUTDOWN_GRACE, _free_port, stop_process
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
@@ -388,7 +388,8 @@ class ProcessEngine:
             raise ValueError(f"request_id={request_id!r} must be a string")
         if request_id in self.coordinator.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
-        token_ids = self._tokenize(request_id, prompt)
+        _, token_ids = tokenize_prompt(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id,
+                                       prompt)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         while len(self.transfers) > RECORD_WINDOW:  # bounded: a server runs for long (routes: the coordinator's)
             del self.transfers[next(iter(self.transfers))]
@@ -396,9 +397,6 @@ class ProcessEngine:
             self.coordinator.arrive(request_id, len(token_ids), arrival, Submitted(prompt, token_ids, params))
         except NoInstanceLeft as e:
             raise EngineDeadError(f"{e}: {self._deaths()}") from None
-
-    def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
-        return _tokenize(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id, prompt)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request wherever it is (waiting or mid-prefill on a prefill instance, on its way or waiting for
@@ -635,20 +633,6 @@ class ProcessEngine:
     def shutdown(self) -> None:
         """Stop every instance process (idempotent; also runs when the engine is collected and at exit)."""
         self.group.shutdown()
-
-
-def _tokenize(tokenizer: Any, model_path: Path, vocab_size: int, request_id: str, prompt: str | Sequence[int]
-              ) -> list[int]:
-    """The token ids of a prompt (text or token ids), checked; ``ValueError`` names the request."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {model_path}")
-        check_text(f"request {request_id!r}: prompt", prompt)
-        return tokenizer(prompt).input_ids
-    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
-                         f"{type(prompt).__name__}")
-    return check_token_ids(f"request {request_id!r}", prompt, vocab_size)
 
 
 def _ended_output(request_id: str, record: RequestRecord | None, reason: str, error: str | None) -> RequestOutput:

@@ -22,8 +22,8 @@ from sarathi_lite.engine.model_runner import runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.parallel_executor import ParallelExecutor
-from sarathi_lite.engine.prompts import check_token_ids
-from sarathi_lite.engine.sampling_params import SamplingParams, check_text
+from sarathi_lite.engine.prompts import tokenize_prompt
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.metrics import MetricsRecorder, Stats
 from sarathi_lite.models.builtin import resolve_model
@@ -168,7 +168,8 @@ class LLMEngine:
         if num_external_tokens and self.kv_connector is None:
             raise ValueError(f"request {request_id!r}: num_external_tokens={num_external_tokens!r} needs an engine "
                              f"with a KV connector")
-        text, token_ids = self._tokenize(request_id, prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id,
+                                          prompt)
         stop = frozenset(params.stop_token_ids) if params.ignore_eos else \
             frozenset(params.stop_token_ids) | self.eos_token_ids
         arrival = self.clock() if arrival_time is None else arrival_time
@@ -343,9 +344,6 @@ class LLMEngine:
         """Forget the records of finished requests and all iterations (e.g. after a warm-up)."""
         self.metrics.reset()
 
-    def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        return _tokenize(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id, prompt)
-
     # ------------------------------------------------------------------ state for other threads
 
     def snapshot(self) -> EngineSnapshot:
@@ -437,21 +435,6 @@ def _start_executor(config: EngineConfig, path: Path, dtype: torch.dtype, device
     except BaseException:
         executor.shutdown()
         raise
-
-
-def _tokenize(tokenizer: Any, model_path: Path, vocab: int, request_id: str, prompt: str | Sequence[int]
-              ) -> tuple[str | None, list[int]]:
-    """``(text, token ids)`` of a request's prompt (``text`` ``None`` for token ids); ``ValueError`` for a bad
-    one."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {model_path}")
-        check_text(f"request {request_id!r}: prompt", prompt)
-        return prompt, tokenizer(prompt).input_ids
-    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
-                         f"{type(prompt).__name__}")
-    return None, check_token_ids(f"request {request_id!r}", prompt, vocab)
 
 
 def _snapshot_of(scheduler: Any, num_steps: int) -> EngineSnapshot:
