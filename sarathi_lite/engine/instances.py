@@ -58,6 +58,7 @@ from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.disagg import PREFILL_ONLY, deployment_stats
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.instance_child import START_TIMEOUT, InstanceSpec, instance_main
+from sarathi_lite.engine.interface import Engine
 from sarathi_lite.engine.llm_engine import _load_tokenizer
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.prompts import tokenize_prompt
@@ -337,7 +338,7 @@ class InstanceGroup:
         self._finalizer()
 
 
-class ProcessEngine:
+class ProcessEngine(Engine):
     """Instances of ``instances`` (``"2"``, ``"1P1D"``, ``"2P1D"``, a ``Layout``) as processes behind one router;
     see the module's docstring. options: ``LLMEngine`` options for every instance; ``prefill_options`` /
     ``decode_options`` override them for one role. num_threads: torch threads per instance. transfer_timeout:

@@ -9,6 +9,7 @@ from typing import Any
 
 from sarathi_lite.engine.disagg import DisaggregatedEngine
 from sarathi_lite.engine.instances import ProcessEngine
+from sarathi_lite.engine.interface import Engine
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.parallel_sampling import child_ids, child_params, pick
@@ -34,6 +35,7 @@ class LLM:
         # processes: each instance in its own process (ProcessEngine: own weights, K/V over gloo), or all in
         # this one sharing the weights (DisaggregatedEngine). Options of either (prefill_options=, num_threads=,
         # ...) pass through.
+        self.engine: Engine
         if disaggregation is None:
             self.engine = LLMEngine(model, **engine_options)
         elif processes:
@@ -194,7 +196,7 @@ class _Group:
         self.token_ids: list[int] = []
         self.num_added = 1
 
-    def add_siblings(self, engine: Any) -> None:
+    def add_siblings(self, engine: Engine) -> None:
         for rid, p in zip(self.ids[1:], self.children[1:]):
             engine.add_request(rid, self.token_ids, p)
             self.num_added += 1

@@ -17,6 +17,7 @@ from sarathi_lite.costs import load_cost_model
 from sarathi_lite.engine.batch_queue import BatchQueue, BatchRun
 from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.executor import Executor, SamplingInputs
+from sarathi_lite.engine.interface import Engine
 from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
 from sarathi_lite.engine.model_runner import runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
@@ -63,7 +64,7 @@ def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class LLMEngine:
+class LLMEngine(Engine):
     """Chunked-prefill inference over a paged KV cache.
 
     ``LLMEngine(model, **options)`` takes every ``EngineConfig`` field as a keyword (``scheduler=`` names the
