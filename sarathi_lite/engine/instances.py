@@ -59,12 +59,15 @@ from sarathi_lite.engine.disagg import PREFILL_ONLY, deployment_stats
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.instance_child import START_TIMEOUT, InstanceSpec, instance_main
 from sarathi_lite.engine.interface import Engine
-from sarathi_lite.engine.llm_engine import _load_tokenizer
+from sarathi_lite.engine.llm_engine import load_tokenizer as _load_tokenizer
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.prompts import tokenize_prompt
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.snapshot import EngineSnapshot
-from sarathi_lite.engine.worker import _EXIT_WAIT, _SHUTDOWN_GRACE, _free_port, stop_process
+from sarathi_lite.engine.worker import EXIT_WAIT as _EXIT_WAIT
+from sarathi_lite.engine.worker import SHUTDOWN_GRACE as _SHUTDOWN_GRACE
+from sarathi_lite.engine.worker import free_port as _free_port
+from sarathi_lite.engine.worker import stop_process
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig

@@ -92,7 +92,7 @@ class LLMEngine(Engine):
         executor, model = _start_executor(config, path, dtype, device)
         self._finalizer = weakref.finalize(self, executor.shutdown)
         try:
-            self._start(config, path, dtype, executor, model, model, _load_tokenizer(path), clock, t0, connector)
+            self._start(config, path, dtype, executor, model, model, load_tokenizer(path), clock, t0, connector)
         except BaseException:
             self.shutdown()
             raise
@@ -399,7 +399,8 @@ def _predictor(config: EngineConfig) -> Any:
     return config.cost_model
 
 
-def _load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path) -> Any:
+    """The Hugging Face tokenizer of the checkpoint folder ``path``, ``None`` when it ships none."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer

@@ -39,7 +39,7 @@ from sarathi_lite.server.config import ServerConfig
 from sarathi_lite.server.errors import APIError, install_error_handlers, sse_error, to_api_error
 from sarathi_lite.server.limits import Limits
 from sarathi_lite.server.metrics import ServerMetrics
-from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class _Server:
             code = None if num_prompt == 0 else "context_length_exceeded"
             raise APIError(400, str(e), param=e.param, code=code) from e
 
-    def _params(self, body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
             params = body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
@@ -240,7 +240,7 @@ class _Server:
                                 f"known only at the end", param="best_of")
         return params
 
-    async def _start(self, body: _SamplingRequest, token_ids: list[list[int]], params: list[SamplingParams],
+    async def _start(self, body: SamplingRequest, token_ids: list[list[int]], params: list[SamplingParams],
                      prefix: str) -> _Choices:
         group = _Choices(self.aengine, f"{prefix}-{uuid.uuid4().hex}", token_ids, params)
         try:
@@ -253,7 +253,7 @@ class _Server:
             raise to_api_error(e) from e
         return group
 
-    async def _respond(self, body: _SamplingRequest, group: _Choices, fmt: _Format, request: Request,
+    async def _respond(self, body: SamplingRequest, group: _Choices, fmt: _Format, request: Request,
                        deadline: float | None) -> Response:
         if body.stream:  # a disconnect cancels the streaming task, which aborts the requests
             return StreamingResponse(self._events(body, group, fmt, deadline), media_type="text/event-stream")
@@ -288,7 +288,7 @@ class _Server:
                 choices.append(fmt.whole_choice(i * p.n + out.index, out, i))
         return JSONResponse({**fmt.envelope("whole"), "choices": choices, "usage": group.usage(finals)})
 
-    async def _events(self, body: _SamplingRequest, group: _Choices, fmt: _Format, deadline: float | None
+    async def _events(self, body: SamplingRequest, group: _Choices, fmt: _Format, deadline: float | None
                       ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         complete = False
@@ -440,7 +440,7 @@ class _Format:
         return {"id": self.request_id, "object": name, "created": self.created, "model": self.server.model_name}
 
     def chunk(self, index: int, out: RequestOutput | None, delta: dict[str, Any] | None,
-              usage: dict[str, Any] | None, body: _SamplingRequest, prompt: int = 0) -> dict[str, Any]:
+              usage: dict[str, Any] | None, body: SamplingRequest, prompt: int = 0) -> dict[str, Any]:
         text = "" if out is None else out.new_text
         if self.echoes is not None and index not in self._echoed:
             self._echoed.add(index)
