@@ -11,7 +11,7 @@ import torch
 
 from sarathi_lite import LLM, LLMEngine, SamplingParams
 from sarathi_lite.costs import ProfiledCostModel
-from sarathi_lite.engine.disagg import DisaggregatedEngine
+from sarathi_lite.engine.disagg_engine import DisaggregatedEngine
 from sarathi_lite.engine.instances import ProcessEngine
 from sarathi_lite.engine.interface import Engine
 

@@ -55,7 +55,7 @@ import torch.multiprocessing as mp
 
 from sarathi_lite.engine import instance_rpc as rpc
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.disagg import PREFILL_ONLY, deployment_stats
+from sarathi_lite.engine.disagg_engine import PREFILL_ONLY, deployment_stats
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.instance_child import START_TIMEOUT, InstanceSpec, instance_main
 from sarathi_lite.engine.interface import Engine

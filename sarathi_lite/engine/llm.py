@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.engine.disagg import DisaggregatedEngine
+from sarathi_lite.engine.disagg_engine import DisaggregatedEngine
 from sarathi_lite.engine.instances import ProcessEngine
 from sarathi_lite.engine.interface import Engine
 from sarathi_lite.engine.llm_engine import LLMEngine

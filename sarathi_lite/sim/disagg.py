@@ -578,8 +578,8 @@ def goodput(deployment: Deployment, workload: Workload, ttft: float, tbt: float,
     return rate_sweep(deployment, workload, rates).goodput(ttft, tbt, attainment)
 
 
-def capacity(deployment: Deployment, workload: Workload, slo: SLO, *, qps_low: float, qps_high: float,
-             num_probes: int = 8) -> CapacityResult:
+def deployment_capacity(deployment: Deployment, workload: Workload, slo: SLO, *, qps_low: float, qps_high: float,
+                        num_probes: int = 8) -> CapacityResult:
     """Sarathi-Serve's capacity of ``deployment`` (requests/s over the whole deployment): the highest rate at
     which P99 TBT (all token gaps pooled) and the median scheduling delay stay within ``slo``
     (``bench.capacity.search_capacity``)."""

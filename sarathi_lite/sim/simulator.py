@@ -237,8 +237,9 @@ def run(workload: Workload, cost_model: CostModel, *, policies: Sequence[str] = 
 def capacity(workload: Workload, cost_model: CostModel, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
              chunk_size: int | str | None = None, qps_low: float, qps_high: float, num_probes: int = 8,
              **config_options: Any) -> list[CapacityResult]:
-    """Serving capacity of each policy (chunked ones at ``chunk_size``), as ``bench.capacity`` but simulated:
-    ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe ``workload.at_qps(qps)``."""
+    """Serving capacity of each policy (chunked ones at ``chunk_size``), simulated (``bench.replay.measured_capacity``
+    measures it on the real engine): ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe
+    ``workload.at_qps(qps)``."""
     found = []
     for policy in policies:
         chunk = (chunk_size or default_option("chunk_size")) if policy in CHUNKED_POLICIES else None
