@@ -69,7 +69,7 @@ class SarathiScheduler(AsyncScheduler):
             num_blocks=self.kv_cache_config.num_blocks, long_prefill_token_threshold=sched.long_prefill_token_threshold,
             enable_prefix_caching=bool(cache.enable_prefix_caching))
         config = self.options.config
-        self.token_budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
+        self.budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
         self.step_log: deque[dict[str, Any]] = deque(maxlen=STEP_LOG_LENGTH)
         self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
         # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
@@ -90,11 +90,11 @@ class SarathiScheduler(AsyncScheduler):
             return output
         running = [_view(r) for r in self.running]
         waiting = [_view(r) for r in self.waiting]
-        plan = plan_step(running, waiting, self.options.config, self.token_budget, self._held)
+        plan = plan_step(running, waiting, self.options.config, self.budget, self._held)
         self._held = set(plan.held)
         self._reorder(plan)
         sched = self.scheduler_config
-        threshold, budget = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
+        threshold, max_tokens = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
         sched.long_prefill_token_threshold = plan.long_cap or 0
         self.max_num_scheduled_tokens = plan.token_budget
         # a held request is skipped by vLLM's fill loop as one not yet eligible (schedule() counts this step as
@@ -107,7 +107,7 @@ class SarathiScheduler(AsyncScheduler):
             output = super().schedule(*args, **kwargs)
         finally:
             sched.long_prefill_token_threshold = threshold
-            self.max_num_scheduled_tokens = budget
+            self.max_num_scheduled_tokens = max_tokens
             for r, eligible, skip in held:
                 if r.next_decode_eligible_step == skip:  # unless vLLM set it since
                     r.next_decode_eligible_step = eligible
@@ -147,12 +147,12 @@ class SarathiScheduler(AsyncScheduler):
             "gap": None,
             "time": time.monotonic(),
         }
-        if self.token_budget is not None and plan is not None:  # the "auto" budget's state the step was sized by
-            b = self.token_budget
+        if self.budget is not None and plan is not None:  # the "auto" budget's state the step was sized by
+            b = self.budget
             record["budget"] = {"target": b.target, "correction": b.correction, "spread": b.spread,
                                 "between": b.between}
         self.step_log.append(record)
-        if self.token_budget is not None and scheduled:
+        if self.budget is not None and scheduled:
             rows = SchedulerOutput()  # the step as the cost model prices it (computed counts advanced already)
             decoding = set(decodes)
             for rid, n in scheduled.items():
@@ -172,7 +172,7 @@ class SarathiScheduler(AsyncScheduler):
             record["measured"] = measured
             if not self.scheduler_config.async_scheduling:  # overlapped steps have no step time of their own
                 # the gap since the last step's end: the loop's period, what its decodes waited
-                record["gap"] = self.token_budget.observe_output(rows, measured, now)
+                record["gap"] = self.budget.observe_output(rows, measured, now)
             if self._log_file is not None:
                 self._write(record)
         return outputs
