@@ -43,8 +43,7 @@ import torch
 
 from sarathi_lite.bench.capacity import SLO, CapacityResult
 from sarathi_lite.bench.plots import plot_capacity, plot_results
-from sarathi_lite.bench.replay import build_engine, cost_per_token, machine, run, warm_up
-from sarathi_lite.bench.replay import capacity as search
+from sarathi_lite.bench.replay import build_engine, cost_per_token, machine, measured_capacity, run, warm_up
 from sarathi_lite.bench.results import BenchResult, compare, compare_markdown, config_label, save_results
 from sarathi_lite.bench.workload import Workload
 
@@ -167,8 +166,9 @@ def main() -> None:
     # 2. capacity
     cap_workload = trace_workload(args, args.capacity_requests, 1.0)
     log(f"capacity workload: {cap_workload.describe()} (arrivals re-drawn per probe)")
-    found = search(cap_workload, slo, policies=args.capacity_policies.split(","), chunk_size=args.chunk_size,
-                   qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, engine=engine, **PAPER)
+    found = measured_capacity(cap_workload, slo, policies=args.capacity_policies.split(","),
+                              chunk_size=args.chunk_size, qps_low=args.qps_low, qps_high=args.qps_high,
+                              num_probes=args.probes, engine=engine, **PAPER)
     cap_dir = args.results / "capacity"
     cap_dir.mkdir(parents=True, exist_ok=True)
     for c in found:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -248,14 +248,17 @@ class MetricsRecorder:
 
     window: keep only the records of the last ``window`` finished requests and the last ``window`` iterations
     (unfinished requests are always kept), so a long-running server holds bounded memory; ``None`` keeps all.
+    requests: the request records to fill (``None``: a new dict); recorders that share one dict (the instances of
+    a simulated deployment) fill one record per request, wherever its steps run, and keep their own iterations.
     """
 
-    def __init__(self, record_batches: bool = False, window: int | None = None) -> None:
+    def __init__(self, record_batches: bool = False, window: int | None = None,
+                 requests: dict[str, RequestMetrics] | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window={window!r} must be a positive integer or None")
         self.record_batches = record_batches
         self.window = window
-        self.requests: dict[str, RequestMetrics] = {}
+        self.requests: dict[str, RequestMetrics] = {} if requests is None else requests
         self.iterations: list[IterationRecord] | deque[IterationRecord] = [] if window is None else \
             deque(maxlen=window)
         self.num_iterations = 0
@@ -274,10 +277,13 @@ class MetricsRecorder:
 
     def record_step(self, out: Any, start: float, schedule_end: float, end: float,
                     finished: Iterable[Any] = (), *, prepare_time: float = 0.0, forward_time: float = 0.0,
-                    sample_time: float = 0.0, stage_busy: tuple[float, ...] = ()) -> None:
+                    sample_time: float = 0.0, stage_busy: tuple[float, ...] = (),
+                    prefill_only: Container[str] = ()) -> None:
         """Record one iteration ``out`` (a ``SchedulerOutput``) that ran from ``start`` to ``end`` and the
         requests (with ``request_id``, ``finish_reason``, ``num_preemptions``) that finished in it; the model
-        runner's split of the step and the pipeline stages' busy seconds as in ``IterationRecord``."""
+        runner's split of the step and the pipeline stages' busy seconds as in ``IterationRecord``.
+        prefill_only: ids of requests run prefill only here (their KV moves to a decode instance, which samples
+        their first token again): their rows count as scheduled, the token they sample is not recorded."""
         reqs = self.requests
         self.record_preemptions(out)
         for s in out.scheduled:
@@ -287,7 +293,7 @@ class MetricsRecorder:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = start
                 m.num_cached_tokens = s.num_computed_tokens  # its first row starts after the cached prefix
-            if s.sample:
+            if s.sample and s.request_id not in prefill_only:
                 if m.first_token_time is None:
                     m.first_token_time = end
                 m.token_times.append(end)

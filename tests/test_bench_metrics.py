@@ -57,6 +57,24 @@ def timeline() -> Stats:
     return rec.stats()
 
 
+def test_two_recorders_fill_one_request_record_across_a_prefill_and_a_decode_instance():
+    """A disaggregated request: prefilled only on one instance (its token there is not its own), then decoded on
+    another; both recorders fill the one record, each keeps its own iterations."""
+    requests: dict = {}
+    prefill, decode_side = MetricsRecorder(requests=requests), MetricsRecorder(requests=requests)
+    prefill.add("A", 0.0, 4)
+    out = SchedulerOutput()
+    out.add(chunk("A", 0, 4, True))
+    prefill.record_step(out, 0.5, 0.6, 1.5, prefill_only={"A"})
+    a = requests["A"]
+    assert a.first_scheduled_time == 0.5 and a.token_times == [] and a.first_token_time is None
+    step(decode_side, 2.0, 2.5, [chunk("A", 3, 1, True)])
+    step(decode_side, 2.5, 3.0, [decode("A", 4)], finished=("A",))
+    assert a.ttft == pytest.approx(2.5) and a.token_times == [2.5, 3.0] and a.e2e == pytest.approx(3.0)
+    assert (len(prefill.iterations), len(decode_side.iterations)) == (1, 2)
+    assert prefill.iterations[0].num_prefill_tokens == 4 and decode_side.iterations[0].index == 0
+
+
 def result() -> BenchResult:
     wl = Workload((RequestSpec("A", 0.0, 4, 4), RequestSpec("B", 1.0, 6, 3)), {"kind": "hand-made"}, seed=0)
     return BenchResult({"policy": "sarathi", "chunk_size": 8}, wl, timeline(), {"replay": "hand-made"})

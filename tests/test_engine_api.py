@@ -1,12 +1,19 @@
-"""The engine and LLM API: outputs, metrics, stopping, sampling, aborts and bad input."""
+"""The engine and LLM API: outputs, metrics, stopping, sampling, aborts and bad input; the step API (``Engine``)
+every engine declares."""
 
 from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sarathi_lite import LLM, LLMEngine, SamplingParams
 from sarathi_lite.costs import ProfiledCostModel
+from sarathi_lite.engine.disagg_engine import DisaggregatedEngine
+from sarathi_lite.engine.instances import ProcessEngine
+from sarathi_lite.engine.interface import Engine
 
 
 @pytest.fixture()
@@ -246,3 +253,75 @@ def test_stats_summary_and_pandas_frames(tiny_checkpoints):
     assert len(frames["requests"]) == 2 and len(frames["iterations"]) == s["num_iterations"]
     its = frames["iterations"]
     assert its["num_prefill_tokens"].sum() == 33 and its["num_decode_tokens"].sum() == 8
+
+
+def protocol_problems(engine: type | object) -> list[str]:
+    """What keeps ``engine`` (a class, or an instance for the data members too) from being an ``Engine``: not
+    declaring it, a method left to the protocol's stub, a method that does not take the protocol's parameters (by
+    name, kind and default; extra ones need a default), a data member an instance lacks."""
+    cls = engine if isinstance(engine, type) else type(engine)
+    problems = [] if Engine in cls.__mro__ else [f"{cls.__name__} does not declare Engine"]
+    for name, stub in vars(Engine).items():
+        if name.startswith("_") or not callable(stub):
+            continue
+        method = getattr(cls, name, None)
+        if method is None or method is stub:
+            problems.append(f"{cls.__name__}.{name} is missing")
+            continue
+        want, have = inspect.signature(stub).parameters, inspect.signature(method).parameters
+        for p in want.values():
+            if have.get(p.name) is None or (have[p.name].kind, have[p.name].default) != (p.kind, p.default):
+                problems.append(f"{cls.__name__}.{name} does not take {p}")
+        problems += [f"{cls.__name__}.{name} needs {p} the protocol does not give" for p in have.values()
+                     if p.name not in want and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                   p.KEYWORD_ONLY)]
+    if not isinstance(engine, type):
+        problems += [f"{cls.__name__} has no {name}" for name in Engine.__annotations__ if not hasattr(engine, name)]
+    return problems
+
+
+def test_the_protocol_check_finds_what_an_engine_lacks():
+    class Partial(Engine):
+        def add_request(self, request_id, prompt, params=None):  # no arrival_time
+            return None
+
+        def step(self, budget):  # needs an argument the protocol does not give
+            return []
+
+    problems = protocol_problems(Partial)
+    assert "Partial.add_request does not take arrival_time: 'float | None' = None" in problems
+    assert "Partial.step needs budget the protocol does not give" in problems
+    assert "Partial.abort_request is missing" in problems and "Partial.shutdown is missing" in problems
+    assert protocol_problems(Partial()) == [*problems, *(f"Partial has no {n}" for n in Engine.__annotations__)]
+    assert protocol_problems(SimpleNamespace) == ["SimpleNamespace does not declare Engine"] + [
+        f"SimpleNamespace.{n} is missing" for n in ("add_request", "step", "abort_request", "has_unfinished_requests",
+                                                     "get_num_unfinished_requests", "reset_prefix_cache", "stats",
+                                                     "shutdown")]
+
+
+def test_every_engine_declares_the_engine_protocol_and_runs_through_it(tiny_checkpoints):
+    """LLMEngine, DisaggregatedEngine and ProcessEngine each declare ``Engine``, implement every member, and give
+    the same greedy tokens when driven through the protocol alone."""
+    options = dict(chunk_size=16, block_size=4, num_kv_blocks=64, device="cpu")
+    path = tiny_checkpoints["llama"]
+    outputs = {}
+    for make in (lambda: LLMEngine(path, **options), lambda: DisaggregatedEngine(path, instances="1P1D", **options),
+                 lambda: ProcessEngine(path, instances="1P1D", **options)):
+        engine: Engine = make()
+        try:
+            assert isinstance(engine, Engine) and protocol_problems(engine) == []
+            assert engine.model_path == path and engine.scheduler_config.max_model_len > 0
+            engine.add_request("a", [5, 6, 7, 8, 9], greedy(4))
+            engine.add_request("b", [9, 8, 7], greedy(4))
+            engine.abort_request("b")
+            done = {}
+            for _ in range(100):
+                if not engine.has_unfinished_requests():
+                    break
+                done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+            assert engine.get_num_unfinished_requests() == 0 and engine.stats().summary()["num_requests"] == 1
+            outputs[type(engine).__name__] = done
+        finally:
+            engine.shutdown()
+    assert len(outputs["LLMEngine"]["a"]) == 4
+    assert outputs["DisaggregatedEngine"] == outputs["ProcessEngine"] == outputs["LLMEngine"]

@@ -1,4 +1,4 @@
-"""Disaggregated serving for real, in one process (``sarathi_lite.engine.disagg``): greedy outputs of 1P1D, 1P2D,
+"""Disaggregated serving for real, in one process (``sarathi_lite.engine.disagg_engine``): greedy outputs of 1P1D, 1P2D,
 2P1D, conditional and colocated replicas equal one engine's; aborts leave every pool whole; the router's decisions
 are the simulator's on a replayed run."""
 
@@ -11,7 +11,7 @@ import pytest
 from sarathi_lite import LLM, SamplingParams
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.costs import CostModel, StepTiming
-from sarathi_lite.engine.disagg import DisaggregatedEngine
+from sarathi_lite.engine.disagg_engine import DisaggregatedEngine
 from sarathi_lite.scheduler import SchedulerOutput
 from sarathi_lite.scheduler.routing import Layout
 from sarathi_lite.sim.disagg import Deployment, Link, PoolSpec, simulate

@@ -238,7 +238,7 @@ def test_in_process_greedy_outputs_equal_one_engines(tiny_checkpoints, reference
 
 def test_in_process_aborts_in_every_state_leave_every_pool_whole(tiny_checkpoints):
     from sarathi_lite import SamplingParams
-    from sarathi_lite.engine.disagg import DisaggregatedEngine
+    from sarathi_lite.engine.disagg_engine import DisaggregatedEngine
     engine = DisaggregatedEngine(tiny_checkpoints["llama"], instances="1PH1DH/short=8,ttft=30,tbt=40", **OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     long = list(range(3, 43))
@@ -405,7 +405,7 @@ def test_with_every_decode_heavy_instance_lost_the_prefill_heavy_one_serves_ever
 
 
 def test_the_simulator_routes_and_batches_a_hybrid_as_the_real_router_on_a_replayed_run(tiny_checkpoints):
-    from sarathi_lite.engine.disagg import DisaggregatedEngine
+    from sarathi_lite.engine.disagg_engine import DisaggregatedEngine
     from sarathi_lite.sim.disagg import Deployment, Link, PoolSpec, simulate
     from tests.test_engine_disagg import UnitCost
 

@@ -1,6 +1,7 @@
 """The layout holds: module-level imports form no cycle, every import follows an allowed arrow between packages
 and docs/design/architecture.md's import table names exactly the arrows there are, every import inside a function
-is on a short list of deliberate ones, and the torch-free modules stay torch-free in a fresh interpreter. The
+is on a short list of deliberate ones, no module uses another's private names, and the torch-free modules stay
+torch-free in a fresh interpreter. The
 documentation's layout holds too: README.md stays short, every page under docs/ is reachable by links from it and
 every local link resolves, no raw result (JSON) lies under docs/, and every JSON under benchmarks/results/ says
 which command, commit and machine made it, with no path of the machine it was made on."""
@@ -91,12 +92,18 @@ def _resolve(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, mod
     sarathi_lite.bench import replay`` -> ``sarathi_lite.bench.replay``), others as written."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
+    target = _from_target(name, is_package, node)
+    return [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+
+
+def _from_target(name: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` statement in module ``name`` imports from, absolute."""
     target = node.module or ""
     if node.level:
         base = name if is_package else name.rpartition(".")[0]
         anchor = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
         target = f"{anchor}.{target}" if target else anchor
-    return [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+    return target
 
 
 def function_imports(name: str, source: str, modules: dict[str, Path]) -> list[tuple[str, str]]:
@@ -230,6 +237,93 @@ def test_a_function_level_import_outside_the_list_fails():
     only_engine = (("sarathi_lite.engine", ("sarathi_lite.sim",), "a reason"),)
     assert unlisted_function_imports("sarathi_lite.engine.fake", "def f():\n    from ..sim import simulator\n",
                                      modules, only_engine) == []
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def _reaches_in(name: str, module: str) -> bool:
+    """Whether module ``name`` may use ``module`` (a dotted name of ours): yes unless a part of it is private
+    (``_flashinfer``), which only modules inside the package holding that part may use."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if _private(part) and not _under(name, ".".join(parts[:i])):
+            return False
+    return True
+
+
+def private_imports(name: str, source: str, modules: dict[str, Path]) -> list[str]:
+    """Where module ``name`` (whose text is ``source``) reaches a private name of another of our modules, at any
+    depth: ``from m import _x``, ``import m._x`` or ``m._x`` on a module it imported, where ``_x`` is a function,
+    class or constant of ``m``, or a private module of a package ``name`` is not inside."""
+    is_package = name in modules and modules[name].name == "__init__.py"
+    ours = tuple(SOURCES)
+    found: list[str] = []
+    bound: dict[str, str] = {}  # local name -> our module it is bound to
+
+    def check(module: str, where: int) -> None:
+        if module in modules or any(m.startswith(module + ".") for m in modules):  # a module or a package
+            if not _reaches_in(name, module):
+                found.append(f"{name}:{where} imports the private module {module}")
+        elif module.startswith(ours) and _private(module.rpartition(".")[2]):
+            found.append(f"{name}:{where} imports {module}")
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                check(a.name, node.lineno)
+                bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            target = _from_target(name, is_package, node)
+            if not target.startswith(ours):
+                continue
+            check(target, node.lineno)
+            for a in node.names:
+                check(f"{target}.{a.name}", node.lineno)
+                if f"{target}.{a.name}" in modules:
+                    bound[a.asname or a.name] = f"{target}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                dotted = ".".join([bound[value.id], *reversed(chain)])
+                if dotted.rpartition(".")[0] in modules or dotted in modules:
+                    check(dotted, node.lineno)
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    modules = _modules()
+    bad = [line for name, path in sorted(modules.items()) for line in private_imports(name, path.read_text(), modules)]
+    assert not bad, "private names used across modules (make them public or move the code):\n" + "\n".join(bad)
+
+
+def test_the_private_import_check_finds_every_form():
+    modules = _modules()
+    source = ("from sarathi_lite.engine.worker import stop_process, _helper\n"
+              "from ..engine.llm_engine import _load\n"
+              "from sarathi_lite.engine import worker\n"
+              "import sarathi_lite.engine.llm_engine as engine\n"
+              "import sarathi_lite.kernels._flashinfer\n"
+              "from os import _exit\n\n"
+              "def f():\n"
+              "    from sarathi_lite.kernels import _flashinfer\n"
+              "    return worker._free_port(), engine._load(), worker.free_port(), _flashinfer.x, self._own\n")
+    assert private_imports("sarathi_lite.sim.fake", source, modules) == [
+        "sarathi_lite.sim.fake:1 imports sarathi_lite.engine.worker._helper",
+        "sarathi_lite.sim.fake:2 imports sarathi_lite.engine.llm_engine._load",
+        "sarathi_lite.sim.fake:5 imports the private module sarathi_lite.kernels._flashinfer",
+        "sarathi_lite.sim.fake:9 imports the private module sarathi_lite.kernels._flashinfer",
+        "sarathi_lite.sim.fake:10 imports sarathi_lite.engine.worker._free_port",
+        "sarathi_lite.sim.fake:10 imports sarathi_lite.engine.llm_engine._load",
+    ]  # os's names are not ours; a module of the kernels package may use its private _flashinfer
+    assert private_imports("sarathi_lite.kernels.fake", "from ._flashinfer import load_flashinfer\n"
+                           "from . import _flashinfer\n", modules) == []
 
 
 def test_the_torch_free_modules_import_without_torch():

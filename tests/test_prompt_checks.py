@@ -1,14 +1,18 @@
 """One check of chat messages and of a prompt's fit in the context for the Python API and the server
 (``sarathi_lite.engine.prompts``): the same roles and content parts accepted and refused, context overflow an
-error in both, and every error naming the index of the bad prompt or message."""
+error in both, and every error naming the index of the bad prompt or message; one tokenization of a request's
+prompt for every engine."""
 
 from __future__ import annotations
+
+import re
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from sarathi_lite import LLM, SamplingParams
-from sarathi_lite.engine.prompts import ROLES, chat_messages, check_context
+from sarathi_lite.engine.prompts import ROLES, chat_messages, check_context, tokenize_prompt
 from sarathi_lite.server import ServerConfig
 from tests.conftest import TINY, make_tiny_checkpoint
 from tests.live_server import MODEL, assert_openai_error, serve_in_thread
@@ -33,6 +37,25 @@ def llm(checkpoint) -> LLM:
 def server(checkpoint):
     with serve_in_thread(checkpoint, ServerConfig(), **OPTIONS) as url:
         yield url
+
+
+def test_a_prompt_is_checked_text_or_token_ids_inside_the_vocabulary(tmp_path):
+    def tokenizer(text):
+        return SimpleNamespace(input_ids=[len(word) for word in text.split()])
+
+    assert tokenize_prompt(tokenizer, tmp_path, 10, "a", "hi there") == ("hi there", [2, 5])
+    assert tokenize_prompt(None, tmp_path, 10, "a", (3, 9)) == (None, [3, 9])
+    bad = [
+        (None, "hi", re.escape(f"request 'a': text prompts need a tokenizer in {tmp_path}")),
+        (tokenizer, "x\ud800", r"request 'a': prompt contains a lone surrogate"),
+        (None, [3, 10], r"request 'a': token id 10 is outside the vocabulary \[0, 10\)"),
+        (None, [True], r"request 'a': token id True is outside the vocabulary"),
+        (tokenizer, b"hi", "request 'a': prompt must be text or a list of token ids, got bytes"),
+        (tokenizer, 7, "request 'a': prompt must be text or a list of token ids, got int"),
+    ]
+    for tok, prompt, message in bad:
+        with pytest.raises(ValueError, match=message):
+            tokenize_prompt(tok, tmp_path, 10, "a", prompt)
 
 
 BAD_CONVERSATIONS = [  # (messages, what the Python error says, the server's param)

@@ -276,14 +276,15 @@ def test_decoding_requests_add_no_prefill_load_and_replicas_share_the_traffic():
 
 def test_capacity_is_sarathi_serves_definition_over_the_deployment():
     from sarathi_lite.bench.capacity import SLO
-    from sarathi_lite.sim.disagg import capacity
+    from sarathi_lite.sim.disagg import deployment_capacity
 
     wl = workload(*[(0.0, 300, 4)] * 40)
     dep = deployment("1P1D")
     # every decode step takes 10 ms: a P99 TBT bound below that fails at any rate, one above it holds until the
     # median scheduling delay passes its bound
-    assert capacity(dep, wl, SLO(tbt_p99=0.009), qps_low=1, qps_high=100, num_probes=3).capacity is None
-    found = capacity(dep, wl, SLO(tbt_p99=0.011, scheduling_delay_p50=0.05), qps_low=1, qps_high=1000, num_probes=6)
+    assert deployment_capacity(dep, wl, SLO(tbt_p99=0.009), qps_low=1, qps_high=100, num_probes=3).capacity is None
+    found = deployment_capacity(dep, wl, SLO(tbt_p99=0.011, scheduling_delay_p50=0.05), qps_low=1, qps_high=1000,
+                                num_probes=6)
     assert found.capacity is not None and found.failed_above is not None
     assert all(p.passed == (p.scheduling_delay_p50 <= 0.05) for p in found.probes)
 

@@ -143,7 +143,7 @@ def _layer_rank(rank: int, port: int, path: str, results) -> None:
 def test_all_reduced_forward_of_one_layer_equals_the_unsharded_layer(tp_checkpoints):
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = worker._free_port()
+    port = worker.free_port()
     procs = [ctx.Process(target=_layer_rank, args=(r, port, str(tp_checkpoints["qwen2"]), results))
              for r in range(2)]
     for p in procs:

@@ -168,14 +168,14 @@ def build_engine(model: str | Path | None, policy: str, chunk_size: int | None, 
     return LLMEngine(model, scheduler=policy, **engine_options)
 
 
-def capacity(workload: Workload, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
-             chunk_size: int | None = None, qps_low: float, qps_high: float, num_probes: int = 5,
-             model: str | Path | None = None, progress: bool = True, engine: LLMEngine | None = None,
-             **engine_options: Any) -> list[CapacityResult]:
-    """Serving capacity of each policy (chunked ones at ``chunk_size``, default ``EngineConfig``'s):
-    ``search_capacity`` over
-    ``[qps_low, qps_high]`` requests/s, each probe a real-time replay of ``workload.at_qps(qps)`` (the same
-    requests and lengths, Poisson arrivals from the workload's seed scaled to the rate)."""
+def measured_capacity(workload: Workload, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
+                      chunk_size: int | None = None, qps_low: float, qps_high: float, num_probes: int = 5,
+                      model: str | Path | None = None, progress: bool = True, engine: LLMEngine | None = None,
+                      **engine_options: Any) -> list[CapacityResult]:
+    """Serving capacity of each policy (chunked ones at ``chunk_size``, default ``EngineConfig``'s), measured on
+    the real engine (``sim.simulator.capacity`` predicts it): ``search_capacity`` over ``[qps_low, qps_high]``
+    requests/s, each probe a real-time replay of ``workload.at_qps(qps)`` (the same requests and lengths, Poisson
+    arrivals from the workload's seed scaled to the rate)."""
     out = []
     current = engine
     for policy in policies:

@@ -106,9 +106,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     workload = build_workload(args)
     print(f"workload: {workload.describe()} (arrivals re-drawn per probe)")
     slo = slo_from_args(args)
-    found = replay.capacity(workload, slo, policies=policies(args), chunk_size=config.chunk_size,
-                            qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, model=config.model,
-                            progress=not args.no_progress, **_shared_options(config))
+    found = replay.measured_capacity(workload, slo, policies=policies(args), chunk_size=config.chunk_size,
+                                     qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes,
+                                     model=config.model, progress=not args.no_progress, **_shared_options(config))
     save_capacity(found, args.out)
     return 0
 

@@ -56,15 +56,16 @@ import torch.multiprocessing as mp
 
 from sarathi_lite.engine import instance_rpc as rpc
 from sarathi_lite.engine.config import EngineConfig
-from sarathi_lite.engine.disagg import PREFILL_ONLY, deployment_stats
+from sarathi_lite.engine.disagg_engine import PREFILL_ONLY, deployment_stats
 from sarathi_lite.engine.errors import EngineDeadError
 from sarathi_lite.engine.instance_child import START_TIMEOUT, InstanceSpec, instance_main
-from sarathi_lite.engine.llm_engine import _load_tokenizer
+from sarathi_lite.engine.interface import Engine
+from sarathi_lite.engine.llm_engine import load_tokenizer
 from sarathi_lite.engine.outputs import RequestOutput
-from sarathi_lite.engine.prompts import check_token_ids
-from sarathi_lite.engine.sampling_params import SamplingParams, check_text
+from sarathi_lite.engine.prompts import tokenize_prompt
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.snapshot import EngineSnapshot
-from sarathi_lite.engine.worker import _EXIT_WAIT, _SHUTDOWN_GRACE, _free_port, stop_process
+from sarathi_lite.engine.worker import EXIT_WAIT, SHUTDOWN_GRACE, free_port, stop_process
 from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats
 from sarathi_lite.models.builtin import resolve_model
 from sarathi_lite.models.config import ModelConfig
@@ -175,7 +176,7 @@ class InstanceProcess:
         try:
             reply: rpc.Reply = self.conn.recv()
         except (EOFError, OSError):
-            self.process.join(_EXIT_WAIT)  # its exit code shows up a moment after the pipe closes
+            self.process.join(EXIT_WAIT)  # its exit code shows up a moment after the pipe closes
             self.check_alive()
             raise InstanceLost(f"instance {self.name} (pid {self.process.pid}) closed its pipe") from None
         if reply.load is not None:
@@ -217,7 +218,7 @@ def _spawn(layout: Layout, configs: dict[str, EngineConfig], num_threads: int, t
     the instances by role."""
     counts = {PREFILL: layout.prefill, DECODE: layout.decode, COLOCATED: layout.colocated}
     world = layout.prefill + layout.decode
-    port = _free_port()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=START_TIMEOUT)) if world else None
     ctx = mp.get_context("spawn")
@@ -245,7 +246,7 @@ def _stop(processes: list[tuple[Any, Any]]) -> None:
                 conn.send(rpc.Close())
             except (BrokenPipeError, OSError):
                 pass
-    deadline = time.monotonic() + _SHUTDOWN_GRACE
+    deadline = time.monotonic() + SHUTDOWN_GRACE
     for process, _ in processes:
         process.join(max(deadline - time.monotonic(), 0.1))
     for process, conn in processes:
@@ -338,7 +339,7 @@ class InstanceGroup:
         self._finalizer()
 
 
-class ProcessEngine:
+class ProcessEngine(Engine):
     """Instances of ``instances`` (``"2"``, ``"1P1D"``, ``"2P1D"``, a ``Layout``) as processes behind one router;
     see the module's docstring. options: ``LLMEngine`` options for every instance; ``prefill_options`` /
     ``decode_options`` override them for one role. num_threads: torch threads per instance. transfer_timeout:
@@ -356,7 +357,7 @@ class ProcessEngine:
         self.step_timeout = float(step_timeout)
         configs = _role_configs(model, config, prefill_options, decode_options, options)
         self.model_path = Path(configs[COLOCATED].model)
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.group = InstanceGroup(self.layout, configs, num_threads, float(transfer_timeout), weakref.proxy(self))
         self.instances, self._all = self.group.by_role, self.group.all
         ready = self.group.ready()
@@ -389,7 +390,8 @@ class ProcessEngine:
             raise ValueError(f"request_id={request_id!r} must be a string")
         if request_id in self.coordinator.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
-        token_ids = self._tokenize(request_id, prompt)
+        _, token_ids = tokenize_prompt(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id,
+                                       prompt)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         while len(self.transfers) > RECORD_WINDOW:  # bounded: a server runs for long (routes: the coordinator's)
             del self.transfers[next(iter(self.transfers))]
@@ -397,9 +399,6 @@ class ProcessEngine:
             self.coordinator.arrive(request_id, len(token_ids), arrival, Submitted(prompt, token_ids, params))
         except NoInstanceLeft as e:
             raise EngineDeadError(f"{e}: {self._deaths()}") from None
-
-    def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
-        return _tokenize(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id, prompt)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request wherever it is (waiting or mid-prefill on a prefill instance, on its way or waiting for
@@ -492,7 +491,7 @@ class ProcessEngine:
         inst.stepping = False
         pid = inst.process.pid
         inst.process.kill()
-        inst.process.join(_SHUTDOWN_GRACE)
+        inst.process.join(SHUTDOWN_GRACE)
         self._lost(inst, f"instance {inst.name} (pid {pid}) did not finish a step within {self.step_timeout:g} s "
                          f"(hung); it was killed")
 
@@ -647,20 +646,6 @@ class ProcessEngine:
     def shutdown(self) -> None:
         """Stop every instance process (idempotent; also runs when the engine is collected and at exit)."""
         self.group.shutdown()
-
-
-def _tokenize(tokenizer: Any, model_path: Path, vocab_size: int, request_id: str, prompt: str | Sequence[int]
-              ) -> list[int]:
-    """The token ids of a prompt (text or token ids), checked; ``ValueError`` names the request."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {model_path}")
-        check_text(f"request {request_id!r}: prompt", prompt)
-        return tokenizer(prompt).input_ids
-    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
-                         f"{type(prompt).__name__}")
-    return check_token_ids(f"request {request_id!r}", prompt, vocab_size)
 
 
 def _ended_output(request_id: str, record: RequestRecord | None, reason: str, error: str | None) -> RequestOutput:

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sarathi_lite.engine.disagg import DisaggregatedEngine
+from sarathi_lite.engine.disagg_engine import DisaggregatedEngine
 from sarathi_lite.engine.instances import ProcessEngine
+from sarathi_lite.engine.interface import Engine
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.parallel_sampling import child_ids, child_params, pick
@@ -36,6 +37,7 @@ class LLM:
         # this one sharing the weights (DisaggregatedEngine). Options of either (prefill_options=, num_threads=,
         # ...) pass through.
         disaggregation = replicas_layout(data_parallel_size, disaggregation)
+        self.engine: Engine
         if disaggregation is None:
             self.engine = LLMEngine(model, **engine_options)
         elif processes:
@@ -216,7 +218,7 @@ class _Group:
         self.token_ids: list[int] = []
         self.num_added = 1
 
-    def add_siblings(self, engine: Any) -> None:
+    def add_siblings(self, engine: Engine) -> None:
         for rid, p in zip(self.ids[1:], self.children[1:]):
             engine.add_request(rid, self.token_ids, p)
             self.num_added += 1

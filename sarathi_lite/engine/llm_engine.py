@@ -17,13 +17,14 @@ from sarathi_lite.costs import load_cost_model
 from sarathi_lite.engine.batch_queue import BatchQueue, BatchRun
 from sarathi_lite.engine.config import EngineConfig
 from sarathi_lite.engine.executor import Executor, SamplingInputs
+from sarathi_lite.engine.interface import Engine
 from sarathi_lite.engine.kv_connector import KVConnector, make_kv_connector
 from sarathi_lite.engine.model_runner import runner_view
 from sarathi_lite.engine.output_processor import OutputProcessor
 from sarathi_lite.engine.outputs import RequestOutput
 from sarathi_lite.engine.parallel_executor import ParallelExecutor
-from sarathi_lite.engine.prompts import check_token_ids
-from sarathi_lite.engine.sampling_params import SamplingParams, check_text
+from sarathi_lite.engine.prompts import tokenize_prompt
+from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.engine.snapshot import EngineSnapshot
 from sarathi_lite.metrics import MetricsRecorder, Stats
 from sarathi_lite.models.builtin import resolve_model
@@ -63,7 +64,7 @@ def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class LLMEngine:
+class LLMEngine(Engine):
     """Chunked-prefill inference over a paged KV cache.
 
     ``LLMEngine(model, **options)`` takes every ``EngineConfig`` field as a keyword (``scheduler=`` names the
@@ -91,7 +92,7 @@ class LLMEngine:
         executor, model = _start_executor(config, path, dtype, device)
         self._finalizer = weakref.finalize(self, executor.shutdown)
         try:
-            self._start(config, path, dtype, executor, model, model, _load_tokenizer(path), clock, t0, connector)
+            self._start(config, path, dtype, executor, model, model, load_tokenizer(path), clock, t0, connector)
         except BaseException:
             self.shutdown()
             raise
@@ -171,7 +172,8 @@ class LLMEngine:
         if num_external_tokens and self.kv_connector is None:
             raise ValueError(f"request {request_id!r}: num_external_tokens={num_external_tokens!r} needs an engine "
                              f"with a KV connector")
-        text, token_ids = self._tokenize(request_id, prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id,
+                                          prompt)
         arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params.max_tokens, stop, arrival)
         self.scheduler.add(request, num_external_tokens)
@@ -344,9 +346,6 @@ class LLMEngine:
         """Forget the records of finished requests and all iterations (e.g. after a warm-up)."""
         self.metrics.reset()
 
-    def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        return _tokenize(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id, prompt)
-
     # ------------------------------------------------------------------ state for other threads
 
     def snapshot(self) -> EngineSnapshot:
@@ -411,7 +410,8 @@ def _predictor(config: EngineConfig) -> Any:
     return config.cost_model
 
 
-def _load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path) -> Any:
+    """The Hugging Face tokenizer of the checkpoint folder ``path``, ``None`` when it ships none."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
@@ -448,21 +448,6 @@ def _start_executor(config: EngineConfig, path: Path, dtype: torch.dtype, device
     except BaseException:
         executor.shutdown()
         raise
-
-
-def _tokenize(tokenizer: Any, model_path: Path, vocab: int, request_id: str, prompt: str | Sequence[int]
-              ) -> tuple[str | None, list[int]]:
-    """``(text, token ids)`` of a request's prompt (``text`` ``None`` for token ids); ``ValueError`` for a bad
-    one."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {model_path}")
-        check_text(f"request {request_id!r}: prompt", prompt)
-        return prompt, tokenizer(prompt).input_ids
-    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
-                         f"{type(prompt).__name__}")
-    return None, check_token_ids(f"request {request_id!r}", prompt, vocab)
 
 
 def _snapshot_of(scheduler: Any, num_steps: int) -> EngineSnapshot:

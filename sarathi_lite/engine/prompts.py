@@ -1,11 +1,12 @@
-"""The checks of what a caller asks to run, shared by the Python API (``LLM.generate`` / ``LLM.chat``) and the
-OpenAI-compatible server, so both accept and refuse the same things with the same messages: chat messages (roles,
-content as a string or text parts), prompt token ids inside the vocabulary, and a prompt's fit in the context
-with its ``max_tokens``."""
+"""The checks of what a caller asks to run, shared by the Python API (``LLM.generate`` / ``LLM.chat``), the
+engines' ``add_request`` and the OpenAI-compatible server, so all accept and refuse the same things with the same
+messages: chat messages (roles, content as a string or text parts), a prompt as text or token ids inside the
+vocabulary, and a prompt's fit in the context with its ``max_tokens``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sarathi_lite.engine.sampling_params import check_text
@@ -31,6 +32,22 @@ def check_token_ids(where: str, token_ids: Sequence[Any], vocab_size: int) -> li
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise ValueError(f"{where}: token id {t!r:.40} is outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def tokenize_prompt(tokenizer: Any, model_path: Path, vocab_size: int, request_id: str,
+                    prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    """``(text, token ids)`` of request ``request_id``'s ``prompt``: text is checked and tokenized with
+    ``tokenizer`` (a Hugging Face tokenizer, ``None`` when ``model_path`` has none), token ids are checked against
+    ``vocab_size`` (``text`` is ``None`` then). Raises ``ValueError`` naming the request for a bad prompt."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"request {request_id!r}: text prompts need a tokenizer in {model_path}")
+        check_text(f"request {request_id!r}: prompt", prompt)
+        return prompt, tokenizer(prompt).input_ids
+    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"request {request_id!r}: prompt must be text or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+    return None, check_token_ids(f"request {request_id!r}", prompt, vocab_size)
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, where: str = "prompt",

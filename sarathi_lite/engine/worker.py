@@ -53,11 +53,13 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = 60.0
 """Seconds a rank waits in a forward-pass collective (and for spawned workers to join) before giving up."""
 _IDLE_TIMEOUT = timedelta(days=7)  # the control group: workers wait this long for rank 0's next step
-_SHUTDOWN_GRACE = 5.0  # seconds a worker gets to leave by itself before it is terminated
-_EXIT_WAIT = 5.0  # seconds a failure path waits for a dead worker's exit code, to name it
+SHUTDOWN_GRACE = 5.0
+"""Seconds a child process (a worker, an instance) gets to leave by itself before it is terminated."""
+EXIT_WAIT = 5.0
+"""Seconds a failure path waits for a dead child process's exit code, to name it."""
 
 
-def stop_process(process: Any, grace: float = _SHUTDOWN_GRACE) -> None:
+def stop_process(process: Any, grace: float = SHUTDOWN_GRACE) -> None:
     """End a child process that did not leave by itself: terminate it, wait ``grace`` seconds, then kill it
     (nothing if it has already exited)."""
     if process.is_alive():
@@ -211,7 +213,8 @@ def _worker_main(rank: int, size: int, port: int, setup: RankSetup) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a rendezvous store."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -268,7 +271,7 @@ class WorkerGroup:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process: shut the other "
                                "tensor-parallel engine down first")
-        port = _free_port()
+        port = free_port()
         store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
         ctx = mp.get_context("spawn")
@@ -294,12 +297,12 @@ class WorkerGroup:
             time.sleep(0.05)
 
     def _await_exit(self) -> None:
-        """On a failure path, once: poll until a spawned worker's exit code shows, at most ``_EXIT_WAIT`` s (a
+        """On a failure path, once: poll until a spawned worker's exit code shows, at most ``EXIT_WAIT`` s (a
         killed worker's sockets close before its exit code can be read, later still on a loaded machine)."""
         with self._exit_lock:  # a second caller waits for the first's poll instead of returning at once
             if self._exit_awaited:
                 return
-            deadline = time.monotonic() + _EXIT_WAIT
+            deadline = time.monotonic() + EXIT_WAIT
             while time.monotonic() < deadline and all(p.exitcode is None for p in self.processes):
                 time.sleep(0.01)
             self._exit_awaited = True
@@ -362,7 +365,7 @@ class WorkerGroup:
             except Exception:  # a dead worker: the terminate below handles the rest
                 logger.warning("could not tell the tensor-parallel workers to stop", exc_info=True)
         for p in self.processes:
-            p.join(_SHUTDOWN_GRACE if idle else 0.1)
+            p.join(SHUTDOWN_GRACE if idle else 0.1)
         for p in self.processes:
             stop_process(p)
         if dist.is_initialized():

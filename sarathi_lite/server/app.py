@@ -40,7 +40,7 @@ from sarathi_lite.server.config import ServerConfig
 from sarathi_lite.server.errors import APIError, install_error_handlers, sse_error, to_api_error
 from sarathi_lite.server.limits import Limits
 from sarathi_lite.server.metrics import ServerMetrics
-from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from sarathi_lite.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class _Server:
             code = None if num_prompt == 0 else "context_length_exceeded"
             raise APIError(400, str(e), param=e.param, code=code) from e
 
-    def _params(self, body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
             params = body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
@@ -260,7 +260,7 @@ class _Server:
                                 f"known only at the end", param="best_of")
         return params
 
-    def _reserve(self, body: _SamplingRequest, num_prompts: int) -> Reservation:
+    def _reserve(self, body: SamplingRequest, num_prompts: int) -> Reservation:
         """Places in the queue bound for every completion of every prompt (``AsyncLLMEngine.reserve``): 503 when
         they do not all fit now, 400 when they never could."""
         completions = max(body.n, body.best_of or body.n)
@@ -276,7 +276,7 @@ class _Server:
         except Exception as e:  # a full queue (503 with Retry-After), a dead engine (503)
             raise to_api_error(e) from e
 
-    async def _start(self, body: _SamplingRequest, token_ids: list[list[int]], params: list[SamplingParams],
+    async def _start(self, body: SamplingRequest, token_ids: list[list[int]], params: list[SamplingParams],
                      prefix: str, reservation: Reservation) -> _Choices:
         group = _Choices(self.aengine, f"{prefix}-{uuid.uuid4().hex}", token_ids, params, reservation)
         try:
@@ -290,7 +290,7 @@ class _Server:
             raise
         return group
 
-    async def _respond(self, body: _SamplingRequest, group: _Choices, fmt: _Format, request: Request,
+    async def _respond(self, body: SamplingRequest, group: _Choices, fmt: _Format, request: Request,
                        deadline: float | None) -> Response:
         if body.stream:  # a disconnect cancels the streaming task, which aborts the requests
             return StreamingResponse(self._events(body, group, fmt, deadline), media_type="text/event-stream")
@@ -325,7 +325,7 @@ class _Server:
                 choices.append(fmt.whole_choice(i * p.n + out.index, out, i))
         return JSONResponse({**fmt.envelope("whole"), "choices": choices, "usage": group.usage(finals)})
 
-    async def _events(self, body: _SamplingRequest, group: _Choices, fmt: _Format, deadline: float | None
+    async def _events(self, body: SamplingRequest, group: _Choices, fmt: _Format, deadline: float | None
                       ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         complete = False
@@ -480,7 +480,7 @@ class _Format:
         return {"id": self.request_id, "object": name, "created": self.created, "model": self.server.model_name}
 
     def chunk(self, index: int, out: RequestOutput | None, delta: dict[str, Any] | None,
-              usage: dict[str, Any] | None, body: _SamplingRequest, prompt: int = 0) -> dict[str, Any]:
+              usage: dict[str, Any] | None, body: SamplingRequest, prompt: int = 0) -> dict[str, Any]:
         text = "" if out is None else out.new_text
         if self.echoes is not None and index not in self._echoed:
             self._echoed.add(index)

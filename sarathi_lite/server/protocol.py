@@ -56,7 +56,9 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # usage in every chunk (vLLM's extension; benchmark clients use it)
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
+    """The fields a completion and a chat completion share: the model, streaming and the sampling options."""
+
     model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -98,7 +100,7 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt or several (text or token ids); one choice per prompt and completion
     (``index = prompt * n + completion``, OpenAI's order). ``max_tokens`` absent or null:
     ``ServerConfig.completions_default_max_tokens`` (16, OpenAI's default)."""
@@ -129,7 +131,7 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: the conversation goes through the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -58,7 +58,15 @@ import numpy as np
 from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
 from sarathi_lite.bench.workload import RequestSpec, Workload
 from sarathi_lite.costs import CostModel
-from sarathi_lite.metrics import IterationRecord, RequestMetrics, Stats, percentiles, slo_arrays, slo_shares
+from sarathi_lite.metrics import (
+    IterationRecord,
+    MetricsRecorder,
+    RequestMetrics,
+    Stats,
+    percentiles,
+    slo_arrays,
+    slo_shares,
+)
 from sarathi_lite.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
 from sarathi_lite.scheduler.kv_transfer import KVSave
@@ -272,12 +280,12 @@ class Transfer:
 
 class SimInstance:
     """One simulated engine (a ``coordinator.Instance``): a ``role``, a scheduler and a cost model; ``busy`` while
-    a step runs."""
+    a step runs. ``metrics`` records its iterations into the deployment's request records."""
 
     __slots__ = ("index", "role", "cost_model", "scheduler", "config", "busy", "pending_start", "out", "start",
-                 "timing", "iterations", "name", "requests", "sends")
+                 "timing", "metrics", "name", "requests", "sends")
 
-    def __init__(self, index: int, role: str, pool: PoolSpec) -> None:
+    def __init__(self, index: int, role: str, pool: PoolSpec, metrics: MetricsRecorder) -> None:
         self.index, self.role, self.cost_model = index, role, pool.cost_model
         self.config = pool.config()
         predictor = pool.cost_model if self.config.auto_budget else None
@@ -287,7 +295,7 @@ class SimInstance:
         self.out: SchedulerOutput | None = None
         self.start = 0.0
         self.timing: Any = None
-        self.iterations: list[IterationRecord] = []
+        self.metrics = metrics
         self.name = f"{role}{index}"
         self.requests: set[str] = set()
 
@@ -356,10 +364,12 @@ class _Sim:
         self.d = deployment
         self.workload = workload
         self.observer = observer
-        self.record_batches = record_batches
+        self.metrics: dict[str, RequestMetrics] = {}  # one record per request, filled by every instance's recorder
         self.instances: dict[str, list[SimInstance]] = {role: [] for role in ROLES}
         for pool in deployment.pools:
-            self.instances[pool.role] = [SimInstance(i, pool.role, pool) for i in range(pool.count)]
+            self.instances[pool.role] = [
+                SimInstance(i, pool.role, pool, MetricsRecorder(record_batches, requests=self.metrics))
+                for i in range(pool.count)]
         self.all = [inst for role in ROLES for inst in self.instances[role]]
         self.coordinator = Coordinator(deployment.layout, self.instances)
         caching = any(inst.config.enable_prefix_caching for inst in self.all)
@@ -367,7 +377,6 @@ class _Sim:
         self.specs = {s.request_id: s for s in workload.requests}
         self.prompt_of = {s.request_id: (self.prompts[i] if self.prompts else None)
                           for i, s in enumerate(workload.requests)}
-        self.metrics: dict[str, RequestMetrics] = {}
         self.routes = self.coordinator.routes
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
@@ -447,7 +456,7 @@ class _Sim:
                     self.release(t, s.request_id)
         if not out.scheduled:
             sched.update(out, {})
-            self.count_preemptions(out)  # a request that gave up its own blocks, in a step that runs nothing
+            inst.metrics.record_preemptions(out)  # a request gave up its own blocks in a step that runs nothing
             return  # idle until a transfer ends or work arrives
         inst.busy = True
         inst.out, inst.start = out, t
@@ -460,40 +469,17 @@ class _Sim:
         inst.busy, inst.out = False, None
         finished = sched.update(out, {s.request_id: 0 for s in out.scheduled if s.sample})
         sched.observe(out, inst.timing.step_time, t)
-        self.record(inst, out, inst.start, inst.start + inst.timing.schedule_time, t)
         saves = sched.take_kv_saves() if inst.sends is not None else []
+        moved = {save.request_id for save in saves}
+        whole = [req for req in finished if req.request_id not in moved]  # served whole here, not handed over
+        inst.metrics.record_step(out, inst.start, inst.start + inst.timing.schedule_time, t, whole,
+                                 prefill_only=inst.sends.marked if inst.sends is not None else ())
         for save in saves:
             inst.sends.marked.discard(save.request_id)
             self.hand_over(t, save)
-        moved = {save.request_id for save in saves}
-        for req in finished:  # served whole here (a decode instance's, a replica's, a hybrid's)
-            if req.request_id not in moved:
-                m = self.metrics[req.request_id]
-                m.finished_time, m.finish_reason = t, req.finish_reason
-                self.coordinator.finish(req.request_id)
+        for req in whole:
+            self.coordinator.finish(req.request_id)
         self.wake(inst, t)
-
-    def count_preemptions(self, out: SchedulerOutput) -> None:
-        for pid in out.preempted_ids:
-            self.metrics[pid].num_preemptions += 1
-
-    def record(self, inst: SimInstance, out: SchedulerOutput, start: float, schedule_end: float, end: float) -> None:
-        metrics = self.metrics
-        marked = inst.sends.marked if inst.sends is not None else ()  # prefilled only: the token is not theirs
-        self.count_preemptions(out)
-        for s in out.scheduled:
-            m = metrics[s.request_id]
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = start
-                m.num_cached_tokens = s.num_computed_tokens
-            if s.sample and s.request_id not in marked:
-                if m.first_token_time is None:
-                    m.first_token_time = end
-                m.token_times.append(end)
-        inst.iterations.append(IterationRecord(
-            len(inst.iterations), start, end, schedule_end - start, out.num_prefill_tokens, out.num_decode_tokens,
-            out.num_prefills, out.num_decodes, len(out.preempted_ids), out.num_cached_tokens,
-            tuple((s.request_id, s.num_new_tokens) for s in out.scheduled) if self.record_batches else ()))
 
     # ------------------------------------------------------------------ transfers
 
@@ -533,7 +519,7 @@ def simulate(deployment: Deployment, workload: Workload, *, record_batches: bool
             "bandwidth": deployment.link.bandwidth, "cost_models": {p.role: p.cost_model.describe()
                                                                     for p in deployment.pools}}
     return DisaggResult(deployment.label, deployment.num_gpus, workload, by_order,
-                        {inst.name: inst.iterations for inst in sim.all}, sim.transfers,
+                        {inst.name: list(inst.metrics.iterations) for inst in sim.all}, sim.transfers,
                         {rid: tuple(r) for rid, r in sim.routes.items()}, meta)
 
 
@@ -592,8 +578,8 @@ def goodput(deployment: Deployment, workload: Workload, ttft: float, tbt: float,
     return rate_sweep(deployment, workload, rates).goodput(ttft, tbt, attainment)
 
 
-def capacity(deployment: Deployment, workload: Workload, slo: SLO, *, qps_low: float, qps_high: float,
-             num_probes: int = 8) -> CapacityResult:
+def deployment_capacity(deployment: Deployment, workload: Workload, slo: SLO, *, qps_low: float, qps_high: float,
+                        num_probes: int = 8) -> CapacityResult:
     """Sarathi-Serve's capacity of ``deployment`` (requests/s over the whole deployment): the highest rate at
     which P99 TBT (all token gaps pooled) and the median scheduling delay stay within ``slo``
     (``bench.capacity.search_capacity``)."""

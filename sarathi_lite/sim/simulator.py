@@ -206,11 +206,11 @@ def simulate(workload: Workload, cost_model: CostModel, config: SchedulerConfig,
             ready = stages.wait(out, start)
             continue
         ready = run(out, start)
-    return _result(workload, cost_model, config, chunk_size, stages.num_stages, metrics.stats(), wall)
+    return bench_result(workload, cost_model, config, chunk_size, stages.num_stages, metrics.stats(), wall)
 
 
-def _result(workload: Workload, cost_model: CostModel, config: SchedulerConfig, chunk_size: int | str | None,
-            num_stages: int, stats: Any, wall: float) -> BenchResult:
+def bench_result(workload: Workload, cost_model: CostModel, config: SchedulerConfig, chunk_size: int | str | None,
+                 num_stages: int, stats: Any, wall: float) -> BenchResult:
     """The ``BenchResult`` of a simulation that started at ``wall`` (``time.perf_counter()``)."""
     description = cost_model.describe()
     config_record = run_config(config, chunk_size, model=description["model"], dtype=description["dtype"],
@@ -237,8 +237,9 @@ def run(workload: Workload, cost_model: CostModel, *, policies: Sequence[str] = 
 def capacity(workload: Workload, cost_model: CostModel, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
              chunk_size: int | str | None = None, qps_low: float, qps_high: float, num_probes: int = 8,
              **config_options: Any) -> list[CapacityResult]:
-    """Serving capacity of each policy (chunked ones at ``chunk_size``), as ``bench.capacity`` but simulated:
-    ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe ``workload.at_qps(qps)``."""
+    """Serving capacity of each policy (chunked ones at ``chunk_size``), simulated (``bench.replay.measured_capacity``
+    measures it on the real engine): ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe
+    ``workload.at_qps(qps)``."""
     found = []
     for policy in policies:
         chunk = (chunk_size or default_option("chunk_size")) if policy in CHUNKED_POLICIES else None

@@ -3,7 +3,7 @@
 A deployment is colocated replicas, prefill and decode instances, or a hybrid of prefill-heavy and decode-heavy
 colocated instances (``routing.Layout``; in a hybrid the prefill role is the prefill-heavy instances, the decode
 role the decode-heavy ones). The simulator
-(``sarathi_lite.sim.disagg``), the in-process engines (``sarathi_lite.engine.disagg``) and the instance processes
+(``sarathi_lite.sim.disagg``), the in-process engines (``sarathi_lite.engine.disagg_engine``) and the instance processes
 (``sarathi_lite.engine.instances``) each give their instances to one ``Coordinator`` as ``Instance`` objects and
 tell it what happened; they differ only in how an instance steps and how K/V moves.
 

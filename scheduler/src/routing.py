@@ -1,5 +1,5 @@
 """Routing requests over instances: colocated replicas, xPyD disaggregated, or conditional. Torch-free: the
-coordinator (``coordinator.py``), which the real engines (``sarathi_lite.engine.disagg``, ``.instances``) and the
+coordinator (``coordinator.py``), which the real engines (``sarathi_lite.engine.disagg_engine``, ``.instances``) and the
 simulator (``sarathi_lite.sim.disagg``) all drive, routes by these rules, so they make the same decisions on the
 same scheduler states.
 

@@ -2,7 +2,7 @@
 
 vLLM keeps everything it owns: its requests, KV cache manager (``allocate_slots``, prefix caching, preemption),
 connectors, structured output and outputs. Each ``schedule()`` the plugin reads a ``RequestView`` of every running
-and waiting request, asks ``sarathi_lite.scheduler.plan.plan_step`` for the step, and hands the decision to
+and waiting request, asks its policy (``sarathi_lite.scheduler.plan``) for the step, and hands the decision to
 vLLM's own fill loop through the settings it reads at the top of every step:
 
 - the order of ``self.running`` (decodes first, then prompts mid-prefill) and of ``self.waiting``;
@@ -65,8 +65,8 @@ class SarathiScheduler(AsyncScheduler):
             raise ValueError(f"sarathi_lite's scheduler orders requests itself: use vLLM's scheduling policy "
                              f"'fcfs', not {self.scheduler_config.policy!r}")
         config = self.options.config
-        self.token_budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
-        self.policy = make_policy(config, self.token_budget)
+        self.budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
+        self.policy = make_policy(config, self.budget)
         self.step_log: deque[dict[str, Any]] = deque(maxlen=STEP_LOG_LENGTH)
         self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
         # a step sized by the "auto" budget, until its output returns: id(output) -> (start, rows, record)
@@ -88,7 +88,7 @@ class SarathiScheduler(AsyncScheduler):
         plan = self._runnable(self.policy.decide(running, waiting))
         self._reorder(plan)
         sched = self.scheduler_config
-        threshold, budget = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
+        threshold, max_tokens = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
         sched.long_prefill_token_threshold = plan.long_cap or 0
         self.max_num_scheduled_tokens = plan.token_budget
         # a held request is skipped by vLLM's fill loop as one not yet eligible (schedule() counts this step as
@@ -108,7 +108,7 @@ class SarathiScheduler(AsyncScheduler):
         finally:
             self.waiting.extend(reversed(hidden))
             sched.long_prefill_token_threshold = threshold
-            self.max_num_scheduled_tokens = budget
+            self.max_num_scheduled_tokens = max_tokens
             for r, eligible, skip in held:
                 if r.next_decode_eligible_step == skip:  # unless vLLM set it since
                     r.next_decode_eligible_step = eligible
@@ -164,12 +164,12 @@ class SarathiScheduler(AsyncScheduler):
             "gap": None,
             "time": time.monotonic(),
         }
-        if self.token_budget is not None and plan is not None:  # the "auto" budget's state the step was sized by
-            b = self.token_budget
+        if self.budget is not None and plan is not None:  # the "auto" budget's state the step was sized by
+            b = self.budget
             record["budget"] = {"target": b.target, "correction": b.correction, "spread": b.spread,
                                 "between": b.between}
         self.step_log.append(record)
-        if self.token_budget is not None and scheduled:
+        if self.budget is not None and scheduled:
             rows = SchedulerOutput()  # the step as the cost model prices it (computed counts advanced already)
             decoding = set(decodes)
             for rid, n in scheduled.items():
@@ -189,7 +189,7 @@ class SarathiScheduler(AsyncScheduler):
             record["measured"] = measured
             if not self.scheduler_config.async_scheduling:  # overlapped steps have no step time of their own
                 # the gap since the last step's end: the loop's period, what its decodes waited
-                record["gap"] = self.token_budget.observe_output(rows, measured, now)
+                record["gap"] = self.budget.observe_output(rows, measured, now)
             if self._log_file is not None:
                 self._write(record)
         return outputs

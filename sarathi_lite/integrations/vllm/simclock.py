@@ -102,7 +102,7 @@ def run_on_clock(workload: Workload, cost_model: CostModel, *, label: str, chunk
                             [_Finished(rid, why) for rid, why in record.finished.items()])
         record.time = end
         ready = end
-    result = simulator._result(workload, cost_model, config, chunk_size, 1, metrics.stats(), wall)
+    result = simulator.bench_result(workload, cost_model, config, chunk_size, 1, metrics.stats(), wall)
     result.config.update(label=f"{label}/{chunk_size}", policy=label, vllm_version=_vllm_version())
     return result, harness, config
 

@@ -36,9 +36,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sarathi_lite.engine.interface import Engine
 from sarathi_lite.engine.kv_connector import InProcessKVConnector, kv_store
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.outputs import RequestOutput
+from sarathi_lite.engine.prompts import tokenize_prompt
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.metrics import Stats
 from sarathi_lite.scheduler.coordinator import Coordinator, Hold, RequestRecord
@@ -96,9 +98,9 @@ class EngineInstance:
         self.store.pop(request_id)  # the K/V the decode side did not load (a full prefix-cache hit, an abort)
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(Engine):
     """Instances of ``layout`` (``"2"``, ``"1P1D"``, a ``Layout``) on one model, behind the router; the step API
-    of ``LLMEngine`` (``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``, ``stats``).
+    of every ``Engine`` (``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``, ``stats``).
 
     options: ``LLMEngine`` options for every instance; ``prefill_options`` / ``decode_options`` override them for
     one role (e.g. a larger ``chunk_size`` on prefill instances). Not with tensor parallelism.
@@ -153,7 +155,8 @@ class DisaggregatedEngine:
         params = params or SamplingParams()
         if request_id in self.coordinator.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
-        _, token_ids = self._source._tokenize(request_id, prompt)
+        _, token_ids = tokenize_prompt(self.tokenizer, self.model_path, self.model_config.vocab_size, request_id,
+                                       prompt)
         arrival = self._source.clock() if arrival_time is None else arrival_time
         self.coordinator.arrive(request_id, len(token_ids), arrival, (prompt, token_ids, params))
 
