@@ -104,6 +104,7 @@ def hf_reference(tiny_checkpoints):
     return get
 
 
-# The vLLM plugin's tests need vLLM, which lives in a virtual environment of its own (scripts/setup_vllm.sh):
-# tests/test_vllm_plugin.py runs them there; an interpreter without vLLM does not collect them.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_plugin"]
+# The vLLM plugin's tests and the contract harness's need vLLM, which lives in virtual environments of its own
+# (scripts/setup_vllm.sh, scripts/setup_vllm_harness.sh): tests/test_vllm_plugin.py and tests/test_vllm_harness.py
+# run them there; an interpreter without vLLM collects neither.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_plugin", "vllm_harness"]
