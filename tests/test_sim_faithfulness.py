@@ -208,10 +208,11 @@ def test_validate_rebuilds_every_real_batch_and_groups_the_step_errors(online, t
     path = tmp_path / "run.json"
     online[0].to_json(path)
     assert main(["sim", "--cost-model", "roofline:h100:smollm2-135m", "--validate", str(path),
-                 "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path / "validated")]) == 0
     text = capsys.readouterr().out
-    assert "decode-only" in text and "step tokens" in text and (tmp_path / "validate_run.json").is_file()
-    assert json.loads((tmp_path / "validate_run.json").read_text())["by_size"]
+    written = tmp_path / "validated" / "validate_run.json"
+    assert "decode-only" in text and "step tokens" in text and written.is_file()
+    assert json.loads(written.read_text())["by_size"]
     simulated = simulate(ONLINE, constant, scheduler_config(online[0]))
     with pytest.raises(ValueError, match="needs a real run"):
         validate(simulated, constant)

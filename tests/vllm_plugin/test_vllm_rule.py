@@ -7,13 +7,14 @@
 
 from __future__ import annotations
 
-import os
+import json
 import random
 
 import pytest
 from vllm import SamplingParams
 
 from sarathi_lite.scheduler import Request, SchedulerConfig, make_scheduler
+from tests.conftest import make_tiny_checkpoint
 
 from .conftest import close, make_llm, scheduler_of
 
@@ -79,10 +80,12 @@ def test_vllm_v1_policy_reproduces_the_real_vllm_schedulers_token_counts(vllm_ru
 
 
 @pytest.fixture(scope="module")
-def sarathi_rule(tiny_model):
-    # prompts of 1,400 tokens on a model of 1,024 positions: only the scheduled token counts are compared here
-    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    llm = make_llm(tiny_model, skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=256,
+def sarathi_rule(tmp_path_factory):
+    # prompts of 1,400 tokens: the tiny Llama with 2,048 positions
+    model = make_tiny_checkpoint("llama_hd64", tmp_path_factory.mktemp("tiny2k") / "llama_hd64")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    llm = make_llm(model, skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=256,
                    block_size=32, enable_prefix_caching=False, plugin={"chunk_size": 128})
     yield llm
     close(llm)
