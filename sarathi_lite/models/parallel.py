@@ -104,14 +104,14 @@ number of rows runs on it."""
 
 PACKED_MIN_ROWS = {torch.bfloat16: 1, torch.float32: 4}
 """The rows (tokens) from which a projection reads its packed copy, per dtype (up to ``PACKED_MAX_ROWS``). float32
-below 4 rows keeps ``nn.functional.linear`` (MKL's matrix-vector path; measured 2026-12-06, SmolLM2 on this
+below 4 rows keeps ``nn.functional.linear`` (MKL's matrix-vector path; measured on SmolLM2 on this
 project's 2-core CPU, a 1/2/3/4/8-decode step: plain 45/53/55/75/98 ms, packed 52/58/60/64/74 ms). bfloat16 reads it
 from one row on (1/4/8 decodes: plain 46/51/53 ms, packed 38/41/45 ms)."""
 
 
 PACKED_MAX_ROWS = 64
 """The most rows (a decode step's size) that read the packed copy. oneDNN caches a primitive for every row count
-it runs (up to 1024 of them), about 0.6 MiB each: measured 2026-12-06, 300 row counts x 4 projection shapes grew a
+it runs (up to 1024 of them), about 0.6 MiB each: measured, 300 row counts x 4 projection shapes grew a
 process by 690 MiB, packed or not (bfloat16 ``nn.functional.linear`` runs on oneDNN too). So the packed path
 takes up to 64 rows, exact up to ``PACKED_EXACT_ROWS`` and padded to a multiple of it above: at most 19 row counts
 per shape. Larger (prefill) steps are compute-bound, and the packed copy gains nothing there (a 512-token chunk:
@@ -120,7 +120,7 @@ equal within 2% in both dtypes)."""
 PACKED_EXACT_ROWS = 16
 """Row counts up to this reach oneDNN as they are; above, they are padded to a multiple of it. Padding costs: a
 step of 5 (12) decodes padded to 8 (16) rows took 2-4 ms longer in bfloat16 and 9-13 ms longer in float32 than
-unpadded (SmolLM2, 2026-12-06), so the small counts of online decode steps are not padded."""
+unpadded (SmolLM2), so the small counts of online decode steps are not padded."""
 
 
 @functools.cache
