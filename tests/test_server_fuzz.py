@@ -15,7 +15,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sarathi_lite.server import ServerConfig
@@ -58,6 +58,19 @@ HOSTILE = st.one_of(
                            "min_tokens": st.integers(1, 3), "max_tokens": st.integers(3, 6)},
                           optional={"logprobs": st.sampled_from([0, 5, 20]), "stream": st.booleans(),
                                     "ignore_eos": st.booleans(), "temperature": st.sampled_from([0, 1.0])}))
+# bodies with the added fields and the hostile edges that the engine runs (200), whatever Hypothesis draws
+CHAT = [{"role": "user", "content": "hi"}]
+RUNS = {"/v1/completions": [
+    {"prompt": ["a", "b"], "n": 2, "best_of": 3, "max_tokens": 3, "logit_bias": {"5": 2.0}, "presence_penalty": 0.5},
+    {"prompt": [[5] * 30, [6]], "echo": True, "max_tokens": 2, "repetition_penalty": 1.7},
+    {"prompt": "hello", "stream": True, "top_p": 1e-45, "temperature": 1.0, "max_tokens": 3, "seed": 1},
+    {"prompt": [[7]] * 32, "n": 4, "max_tokens": 1},
+    {"prompt": [5, 6], "stop_token_ids": list(range(1, VOCAB)), "min_tokens": 2, "max_tokens": 4}],
+    "/v1/chat/completions": [
+    {"messages": CHAT, "n": 3, "max_tokens": 3, "frequency_penalty": -2, "logit_bias": {"7": -100}},
+    {"messages": CHAT, "logprobs": True, "top_logprobs": 5, "max_tokens": 2, "stream": True},
+    {"messages": CHAT, "top_p": 5e-324, "temperature": 2.0, "max_tokens": 4, "seed": 3},
+    {"messages": CHAT, "stop_token_ids": list(range(1, VOCAB)), "min_tokens": 1, "max_tokens": 3, "ignore_eos": True}]}
 SURROGATE_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=3),
                            st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3))
 
@@ -75,16 +88,19 @@ def body_schema(openapi: dict, route: str) -> dict:
 
 
 @st.composite
-def mutated(draw, valid: st.SearchStrategy) -> dict:
-    """A body valid per the schema, then often broken in one place."""
+def mutated(draw, valid: st.SearchStrategy) -> tuple[str, dict]:
+    """A body valid per the schema, then often broken in one place; with the name of what was done to it."""
     body = draw(valid)
     body["model"] = draw(st.sampled_from([MODEL, MODEL, MODEL, body.get("model", MODEL)]))
     how = draw(st.sampled_from(["valid", "valid", "runnable", "runnable", "new_fields", "new_fields", "hostile",
                                 "hostile", "replace", "drop", "surrogate"]))
     keys = sorted(body)
-    if how == "runnable":  # a prompt the engine takes, so the other fields reach it more often
+    if how == "runnable":  # a prompt and a length the engine takes, so the other fields reach it more often
+        body["model"] = MODEL
         body["prompt" if "prompt" in body else "messages"] = draw(st.sampled_from(
             ["hello", [5, 6, 7], ["hi"], [[8, 9]]] if "prompt" in body else [[{"role": "user", "content": "hi"}]]))
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = draw(st.integers(1, 6))
     elif how in ("new_fields", "hostile"):
         extra = draw(NEW_FIELDS if how == "new_fields" else HOSTILE)
         if "prompt" not in body:  # chat: a conversation instead of prompts, no echo, logprobs as chat has them
@@ -100,7 +116,7 @@ def mutated(draw, valid: st.SearchStrategy) -> dict:
         body.pop(draw(st.sampled_from(keys)))
     elif how == "surrogate":
         body[draw(st.sampled_from(["prompt", "stop", "user", "model", "messages"]))] = draw(SURROGATE_TEXT)
-    return body
+    return how, body
 
 
 def strict_json(text: str):
@@ -137,16 +153,24 @@ def check_route(url: str, route: str, body: dict) -> int:
 def test_fuzzed_bodies_never_get_a_5xx_and_the_engine_keeps_serving(server, route):
     openapi = httpx.get(f"{server}/openapi.json").json()
     valid = from_schema(body_schema(openapi, route), openapi)
-    statuses: list[int] = []
+    statuses: list[tuple[str, int]] = []
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(body=mutated(valid))
-    def fuzz(body: dict) -> None:
-        statuses.append(check_route(server, route, body))
+    @given(drawn=mutated(valid))
+    def fuzz(drawn: tuple[str, dict]) -> None:
+        how, body = drawn
+        statuses.append((how, check_route(server, route, body)))
+
+    for body in RUNS[route]:
+        fuzz = example(drawn=("example", {"model": MODEL, **body}))(fuzz)
 
     fuzz()
     assert httpx.get(f"{server}/health").status_code == 200
-    # the fuzzing reached both the engine and the validation: neither (nearly) all rejected nor all accepted
-    assert statuses.count(200) >= EXAMPLES // 10 and sum(400 <= s < 500 for s in statuses) >= EXAMPLES // 5, \
+    examples = [status for how, status in statuses if how == "example"]
+    drawn = [status for how, status in statuses if how != "example"]
+    # the added fields reach the engine whatever Hypothesis draws: every explicit example runs
+    assert examples == [200] * len(RUNS[route]), statuses
+    # the drawn bodies reached both the engine and the validation: neither (nearly) all rejected nor all accepted
+    assert drawn.count(200) >= EXAMPLES // 10 and sum(400 <= s < 500 for s in drawn) >= EXAMPLES // 5, \
         sorted(statuses)
