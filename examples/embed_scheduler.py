@@ -6,7 +6,7 @@ model and prints the step. A 600-token prompt arrives first; short ones arrive w
 from dataclasses import dataclass, field
 
 from sarathi_lite.scheduler import SchedulerConfig
-from sarathi_lite.scheduler.plan import RequestView, plan_step
+from sarathi_lite.scheduler.decision import RequestView, decide_step
 
 BLOCK = 16  # tokens per KV block
 config = SchedulerConfig(chunk_size=64, max_num_seqs=8, block_size=BLOCK, num_blocks=64)
@@ -39,7 +39,7 @@ free_blocks, held, step = config.num_blocks, [], 0
 while arriving or running or waiting:
     waiting += [r for r in arriving if r.arrival == step]
     arriving = [r for r in arriving if r.arrival > step]
-    plan = plan_step([r.view() for r in running], [r.view() for r in waiting], config, just_held=held)
+    plan = decide_step([r.view() for r in running], [r.view() for r in waiting], config, just_held=held)
     held, left, batch = plan.held, plan.token_budget, {}
     requests = {r.rid: r for r in running + waiting}
     for rid in plan.running + plan.waiting:  # apply: the plan's order, budget and cap, while blocks last

@@ -19,8 +19,8 @@ from sarathi_lite.scheduler import (
     make_scheduler,
 )
 from sarathi_lite.scheduler.budget import CORRECTION_RANGE
-from sarathi_lite.scheduler.plan import plan_step
-from tests.test_scheduler_plan import view
+from sarathi_lite.scheduler.decision import decide_step
+from tests.test_scheduler_decision import view
 
 TOKEN = 7
 
@@ -412,7 +412,7 @@ def test_scheduler_and_plan_pass_the_seat_bound_when_more_requests_wait_than_sea
         step(sched)
         for i in range(waiting):
             sched.add(Request(f"w{i}", [5] * 1500, 4))
-        plan = plan_step([view(r) for r in sched.running], [view(r) for r in sched.waiting], sched.config,
+        plan = decide_step([view(r) for r in sched.running], [view(r) for r in sched.waiting], sched.config,
                          TokenBudget(sched.config, StaircaseCost()))
         out = step(sched)
         assert out.num_decode_tokens == 2

@@ -3,7 +3,7 @@
 The property test drives workloads built to have long prompts mid-prefill while short ones arrive through the
 checking driver of ``test_scheduler_properties`` (every invariant, the plan against the decision function, and the
 bound: the oldest waiting short prompt is admitted in the step it is due); the examples below pin the mechanism
-(``plan.plan_step``: short prompts first, the long prompts' share as a cap, long prompts held out of a step whose
+(``plan.decide_step``: short prompts first, the long prompts' share as a cap, long prompts held out of a step whose
 short prompts the cap would cut).
 """
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sarathi_lite.scheduler import LONG_PROMPT_CHUNKS, SchedulerConfig, make_scheduler
 from sarathi_lite.scheduler.config import AUTO_LONG_THRESHOLD
 
-from .test_scheduler_plan import PerTokenCost
+from .test_scheduler_decision import PerTokenCost
 from .test_scheduler_policies import D, P, batch, make, req, step
 from .test_scheduler_properties import PROPERTY_SETTINGS, VOCAB, RequestSpec, Workload, fake_token, run
 
@@ -186,9 +186,9 @@ def test_long_prompts_keep_their_share_when_short_prompts_fill_the_budget() -> N
     for i in range(6):
         sched.add(req(f"s{i}", 60))
     out = step(sched)
-    assert sched.last_plan.held == ["long"] and batch(out) == {"s0": (P, 60), "s1": (P, 4)}
+    assert sched.last_decision.held == ["long"] and batch(out) == {"s0": (P, 60), "s1": (P, 4)}
     out = step(sched)  # not held again: it keeps its share, the short prompts the rest
-    assert sched.last_plan.held == [] and sched.last_plan.long_cap == 16
+    assert sched.last_decision.held == [] and sched.last_decision.long_cap == 16
     assert batch(out)["long"] == (P, 16) and out.num_batched_tokens == 64
 
 

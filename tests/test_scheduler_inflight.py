@@ -254,7 +254,7 @@ def test_kv_cache_manager_hold_and_release_count_references() -> None:
 
 def test_policy_registry_derives_the_lists_and_rejects_a_duplicate_name() -> None:
     from sarathi_lite.scheduler import CHUNKED_POLICIES, policy_class, register_policy
-    from sarathi_lite.scheduler.plan import Sarathi
+    from sarathi_lite.scheduler.decision import Sarathi
 
     assert set(CHUNKED_POLICIES) == {p for p in POLICIES if policy_class(p).chunked}
     assert policy_class("sarathi") is Sarathi
@@ -265,7 +265,7 @@ def test_policy_registry_derives_the_lists_and_rejects_a_duplicate_name() -> Non
 
 
 def test_a_new_policy_is_one_class_and_one_registration() -> None:
-    from sarathi_lite.scheduler import Policy, StepPlan, policy_names, register_policy, registry
+    from sarathi_lite.scheduler import Policy, StepDecision, policy_names, register_policy, registry
 
     @register_policy
     class DecodeFirstOnly(Policy):
@@ -277,8 +277,8 @@ def test_a_new_policy_is_one_class_and_one_registration() -> None:
         def decide(self, running, waiting, num_other_running=0):
             ids = [v.request_id for v in running]
             if running:
-                return StepPlan(ids, [], len(running))
-            return StepPlan([], [v.request_id for v in waiting][:1], self.config.max_num_batched_tokens,
+                return StepDecision(ids, [], len(running))
+            return StepDecision([], [v.request_id for v in waiting][:1], self.config.max_num_batched_tokens,
                             whole_prompts=True)
 
     try:

@@ -215,7 +215,7 @@ def test_preemption_victim_is_the_last_request_of_the_steps_fill_order() -> None
     sched.add(req("d", 2, max_tokens=4))
     assert batch(step(sched)) == {"x": (P, 4), "d": (P, 2)} and sched.block_manager.num_free_blocks == 0
     out = step(sched)
-    assert sched.last_plan.running == ["d", "x"]
+    assert sched.last_decision.running == ["d", "x"]
     assert out.preempted_ids == ["x"] and batch(out) == {"d": (D, 1)}
     assert [r.request_id for r in sched.waiting] == ["x"] and sched.requests["x"].num_computed_tokens == 0
 

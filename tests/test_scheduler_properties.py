@@ -39,7 +39,7 @@ from sarathi_lite.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
-    StepPlan,
+    StepDecision,
     fill,
     make_policy,
     make_scheduler,
@@ -248,7 +248,7 @@ class Driver:
         num_running = len(sched.running)
         out = sched.schedule()
         self.policy.stepped(out.num_prefills > 0)
-        assert sched.last_plan == plan, "the scheduler decided otherwise than the decision function on its views"
+        assert sched.last_decision == plan, "the scheduler decided otherwise than the decision function on its views"
         self.check_greedy(out, plan, views, num_running)
         self.check_output(out, decoding, mid_prefill, was_running)
         self.write_kv(out)
@@ -301,7 +301,7 @@ class Driver:
 
     # ------------------------------------------------------------------------------------------ checks
 
-    def check_greedy(self, out: SchedulerOutput, plan: StepPlan, views: dict[str, RequestView],
+    def check_greedy(self, out: SchedulerOutput, plan: StepDecision, views: dict[str, RequestView],
                      num_running: int) -> None:
         """The step is the plan applied by a plain greedy host (``plan`` module docstring): of the plan's fallback
         chain, the plan the rows come from; its running requests (less the held ones) each given ``min(need,
@@ -427,7 +427,7 @@ class Driver:
                 assert set(still_decoding) <= scheduled, "a decode stalled beside a prefill chunk"
             left_out = [rid for rid in mid_prefill if rid not in scheduled and rid not in preempted]
             if left_out and out.num_batched_tokens < budget:  # only long prompts sit a step out for short ones
-                held = sched.last_plan.held
+                held = sched.last_decision.held
                 assert protected and set(left_out) <= set(held), f"prompts {left_out} left out with budget to spare"
                 assert all(sched.requests[rid].num_prompt_tokens > threshold for rid in left_out)
         elif policy == "simple_chunking":

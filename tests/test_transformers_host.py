@@ -119,6 +119,34 @@ def test_greedy_tokens_equal_fifo_with_chunked_prompts_and_evictions(models, fif
     assert max(sum(s["scheduled"].values()) for s in steps) <= 64
 
 
+@pytest.mark.parametrize("policy", ["simple_chunking", "vllm", "orca", "request_level"])
+def test_every_policy_runs_in_transformers_with_fifos_greedy_tokens_and_its_own_steps(models, fifo_tokens, policy):
+    """Each of our policies decides transformers' steps: the greedy tokens are fifo's and each step has the
+    policy's shape (the unchunked policies on a step budget of the model's whole context, 1,024 tokens, as they
+    need; a cache with room for every prompt, so no prompt is evicted and prefilled again)."""
+    chunked = policy == "simple_chunking"
+    name = register(f"sarathi-test-{policy}", policy=policy, **({"chunk_size": 32} if chunked else {}))
+    config = _config(name, num_blocks=128, **({} if chunked else {"max_batch_tokens": 1024}))
+    tokens, scheduler = generate(models["llama"], _prompts(0, 320, LENGTHS), config)
+    assert tokens == fifo_tokens["llama"]
+    steps = list(scheduler.step_log)
+    assert not any(s["starved"] for s in steps)
+    prompt = {rid: new[0] for s in steps for rid, new in s["new"].items()}
+    prefills = [{rid: n for rid, n in s["scheduled"].items() if rid not in s["decodes"]} for s in steps]
+    mixed = [s for s, p in zip(steps, prefills) if p and len(p) < len(s["scheduled"])]
+    if policy in ("simple_chunking", "vllm", "request_level"):  # prefill and decodes never share a step
+        assert not mixed, mixed[0]
+    else:
+        assert mixed, "orca never batched a prompt with decodes"
+    if chunked:
+        assert any(n < prompt[rid] for p in prefills for rid, n in p.items()), "no prompt was split over steps"
+    else:  # whole prompts, each in one step
+        assert all(n == prompt[rid] for p in prefills for rid, n in p.items()), prefills
+    if policy == "request_level":  # a new batch only once the last has finished
+        admitted = [i for i, p in enumerate(prefills) if p]
+        assert len(admitted) > 1 and all(not steps[i]["decodes"] for i in admitted), admitted
+
+
 def test_each_step_is_what_the_plan_said_where_the_cache_does_not_run_out(models):
     name = register("sarathi-test-plan", chunk_size=48)
     _, scheduler = generate(models["llama"], _prompts(1, 320, LENGTHS), _config(name, num_blocks=128))

@@ -19,9 +19,10 @@ KEYS = ("policy", "chunk_size", "tbt_slo", "tbt_percentile", "cost_model", "budg
 class PluginOptions:
     """The parsed options.
 
-    policy: the host's policy name (``"sarathi"``: our decision). config: our ``SchedulerConfig`` for the
-    decision, sized like the host's scheduler. cost_model: the step-time model of ``chunk_size="auto"`` (else
-    ``None``). step_log: a JSON-lines file that gets one record per step (``None``: kept in memory only).
+    policy: the policy deciding each step (a registered name; ``"vllm_v1"`` in vLLM: vLLM's own scheduler).
+    config: our ``SchedulerConfig`` for the decision, sized like the host's scheduler. cost_model: the step-time
+    model of ``chunk_size="auto"`` (else ``None``). step_log: a JSON-lines file that gets one record per step
+    (``None``: kept in memory only).
     """
 
     policy: str
@@ -96,12 +97,13 @@ def build_options(raw: Mapping[str, Any], policies: Sequence[str], *, chunk_size
     step_log = _step_log(raw.get("step_log"))
     extra = {k: raw[k] for k in ("tbt_slo", "tbt_percentile", "budget_safety", "min_chunk_size", "hol_protection")
              if k in raw}
+    policy = raw.get("policy", policies[0])
     config = SchedulerConfig(
-        policy="sarathi", chunk_size=chunk_size, max_num_seqs=max_num_seqs,
+        policy=policy, chunk_size=chunk_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
         num_blocks=num_blocks, long_prefill_token_threshold=long_prefill_token_threshold,
         enable_prefix_caching=enable_prefix_caching, **extra)
     spec = raw.get("cost_model")
     cost_model = load_cost_model(spec) if spec is not None else None  # checked even where a fixed budget ignores it
-    return PluginOptions(raw.get("policy", policies[0]), config, cost_model if chunk_size == "auto" else None,
+    return PluginOptions(policy, config, cost_model if chunk_size == "auto" else None,
                          step_log)

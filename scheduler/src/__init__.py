@@ -15,10 +15,10 @@ from .base import Scheduler, make_scheduler
 from .block_manager import BlockManager, block_key
 from .budget import StepTimePredictor, TokenBudget
 from .config import LONG_PROMPT_CHUNKS, SchedulerConfig
+from .decision import Policy, RequestView, StepDecision, decide_step, fill, make_policy
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVConnectorScheduler, KVLoad, KVSave
 from .output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
-from .plan import Policy, RequestView, StepPlan, fill, make_policy, plan_step
 from .registry import chunked_policy_names, policy_class, policy_names, register_policy
 from .request import Request, RequestStatus
 
@@ -47,7 +47,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
-    "StepPlan",
+    "StepDecision",
     "StepTimePredictor",
     "TokenBudget",
     "block_key",
@@ -55,7 +55,7 @@ __all__ = [
     "fill",
     "make_policy",
     "make_scheduler",
-    "plan_step",
+    "decide_step",
     "policy_class",
     "policy_names",
     "register_policy",

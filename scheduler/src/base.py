@@ -1,8 +1,8 @@
-"""The scheduler host: our requests and KV cache, with the step decided by the policy (``plan``) and applied here.
+"""The scheduler host: our requests and KV cache, with the step decided by the policy (``decision``) and applied here.
 
 ``Scheduler`` owns request bookkeeping, the batches in flight, preemption, admission with the KV cache manager,
 and ``update``; each step it hands its policy views of its requests (our ``Request`` is one) and applies the
-``StepPlan`` it gets back exactly as the other hosts (the vLLM plugin, the transformers host) apply it.
+``StepDecision`` it gets back exactly as the other hosts (the vLLM plugin, the transformers host) apply it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from operator import attrgetter
 
 from .budget import StepTimePredictor, TokenBudget
 from .config import SchedulerConfig
+from .decision import RequestView, StepDecision, make_policy
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVConnectorScheduler, KVLoad, KVSave
 from .output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
-from .plan import RequestView, StepPlan, make_policy
 from .request import Request, RequestStatus
 
 RUNNING = RequestStatus.RUNNING
@@ -26,7 +26,7 @@ WAITING_FOR_REMOTE_KV = RequestStatus.WAITING_FOR_REMOTE_KV
 
 
 class Scheduler:
-    """Owns the requests and the KV cache; ``policy`` (``config.policy``, see ``plan``) decides each step.
+    """Owns the requests and the KV cache; ``policy`` (``config.policy``, see ``decision``) decides each step.
 
     Use: ``add`` requests, then repeat ``out = schedule()``, run ``out``, ``update(out, sampled)``. With
     ``max_concurrent_batches`` N, up to N outputs may be outstanding; ``update`` takes them in the order
@@ -38,7 +38,7 @@ class Scheduler:
     ``waiting`` holds requests without KV blocks in arrival order (preempted ones return to their place);
     ``running`` holds requests with KV blocks in the same order; ``waiting_for_kv`` those whose blocks a KV
     connector is filling. The block tables belong to ``kv`` (a ``KVCacheManager``); ``block_manager`` is its
-    pool, for reading counts. ``last_plan`` is the policy's last ``StepPlan``.
+    pool, for reading counts. ``last_decision`` is the policy's last ``StepDecision``.
 
     predictor: the step-time model of ``chunk_size="auto"`` (required then, unused otherwise); see ``budget``.
     connector: the scheduler side of a KV connector (``kv_transfer``), or ``None``.
@@ -54,7 +54,7 @@ class Scheduler:
         self.block_manager = self.kv.pool
         self.budget = _token_budget(config, predictor)
         self.policy = make_policy(config, self.budget)
-        self.last_plan: StepPlan | None = None
+        self.last_decision: StepDecision | None = None
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -302,31 +302,32 @@ class Scheduler:
     # ------------------------------------------------------------------ applying the decision
 
     def compose(self, out: SchedulerOutput) -> None:
-        """Fill ``out``: the policy decides the step from views of the requests (``plan``), and the step is applied
-        with the KV cache (``apply``); where it holds nothing, the plan's fallback is applied instead."""
+        """Fill ``out``: the policy decides the step from views of the requests (``decision``), and the step is applied
+        with the KV cache (``apply``); where it holds nothing, the decision's fallback is applied instead."""
         running, others = self._candidates()
-        plan = self.policy.decide(running, self.waiting, others)
-        self.last_plan = plan
-        while plan is not None and not out.scheduled:
-            self.apply(plan, out)
-            plan = plan.fallback
+        decision = self.policy.decide(running, self.waiting, others)
+        self.last_decision = decision
+        while decision is not None and not out.scheduled:
+            self.apply(decision, out)
+            decision = decision.fallback
         self.policy.stepped(out.num_prefills > 0)
 
-    def apply(self, plan: StepPlan, out: SchedulerOutput) -> None:
-        """Apply ``plan`` as every host does (``plan`` module docstring): running requests in the plan's order,
+    def apply(self, decision: StepDecision, out: SchedulerOutput) -> None:
+        """Apply ``decision`` as every host does (``decision`` module docstring): running requests in its order,
         each ``min(tokens it needs, long_cap, budget left)``, a decode short of a block preempting the last request
         of that order (itself, if it is the last: the fill stops there); then, unless this step preempted a request
-        that still left others running, waiting requests in the plan's order while seats, blocks and budget last.
-        Blocks for a prompt's whole prefill are taken at its admission, so only decodes need blocks later."""
+        that still left others running, waiting requests in the decision's order while seats, blocks and budget
+        last. Blocks for a prompt's whole prefill are taken at its admission, so only decodes need blocks later."""
         reqs = self.requests
         kv, pool, bs = self.kv, self.block_manager, self.config.block_size
-        left = plan.token_budget
-        cap = plan.long_cap or left
-        held = set(plan.held) if plan.held else ()
+        left = decision.token_budget
+        cap = decision.long_cap or left
+        held = set(decision.held) if decision.held else ()
         track = self._track  # batches in flight: requests in flight are passed over, or continued (async)
-        # the running requests in the plan's order: the views themselves where the policy kept them (our
+        # the running requests in the decision's order: the views themselves where the policy kept them (our
         # requests, or a continuation's RequestView), else looked up by id
-        order = plan.views if len(plan.views) == len(plan.running) else [reqs[rid] for rid in plan.running]
+        ids = decision.running
+        order = decision.views if len(decision.views) == len(ids) else [reqs[rid] for rid in ids]
         if track:
             order = [reqs[v.request_id] if v.__class__ is RequestView else v for v in order]
         decode_cap = self._decode_cap() if track else math.inf
@@ -381,23 +382,23 @@ class Scheduler:
         out.num_decodes += num_decodes
         if out.preempted_ids and self.running:
             return  # no admission in a step that had to preempt, while others still run
-        self._admit(plan, left, cap, out)
+        self._admit(decision, left, cap, out)
 
-    def _admit(self, plan: StepPlan, left: int, cap: int, out: SchedulerOutput) -> None:
-        """Admit ``plan.waiting`` in order while seats, blocks and ``left`` tokens last (see ``apply``)."""
-        if not plan.waiting or left <= 0:
+    def _admit(self, decision: StepDecision, left: int, cap: int, out: SchedulerOutput) -> None:
+        """Admit ``decision.waiting`` in order while seats, blocks and ``left`` tokens last (see ``apply``)."""
+        if not decision.waiting or left <= 0:
             return
         reqs, bs = self.requests, self.kv.block_size
         seats = self.config.max_running - len(self.running) - len(self.waiting_for_kv)
         admitted: list[Request] = []
-        for rid in plan.waiting:
+        for rid in decision.waiting:
             if left <= 0 or seats <= 0:
                 break
             req = reqs.get(rid)
             if req is None or req.status is not RequestStatus.WAITING:
                 continue
             prefix, _, fits = self.admission_blocks(req)
-            if not fits or plan.whole_prompts and req.num_prefill_tokens - len(prefix) * bs > left:
+            if not fits or decision.whole_prompts and req.num_prefill_tokens - len(prefix) * bs > left:
                 break
             admitted.append(req)
             left -= self.start(req, prefix, min(left, cap), out)

@@ -1,4 +1,4 @@
-"""The policy registry: a policy is one ``plan.Policy`` subclass and one ``register_policy``; the policy lists
+"""The policy registry: a policy is one ``decision.Policy`` subclass and one ``register_policy``; the policy lists
 (``POLICIES``, ``CHUNKED_POLICIES``), ``SchedulerConfig``'s validation and ``make_policy`` all read it."""
 
 from __future__ import annotations

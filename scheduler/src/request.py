@@ -16,7 +16,7 @@ class RequestStatus(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation request as the scheduler sees it; also, while not in flight, the view the decision reads
-    (``plan.View``).
+    (``decision.View``).
 
     ``num_computed_tokens`` counts the tokens (prompt first, then outputs) whose K/V are in the cache.
     ``num_prefill_tokens`` is how many tokens must be computed before the next token is sampled: the prompt

@@ -2,21 +2,21 @@
 
 transformers keeps everything it owns: its ``RequestState``s, the paged cache (block allocation, prefix sharing,
 offloading of starved requests), the model runner and the outputs. Each ``schedule_batch`` the host reads a
-``RequestView`` of every active and waiting request, asks ``sarathi_lite.scheduler.plan.plan_step`` for the step,
+``RequestView`` of every active and waiting request, asks ``sarathi_lite.scheduler.decision.decide_step`` for the step,
 and hands the decision to transformers' own fill loop (``Scheduler._process_candidates``, the loop its ``"fifo"``
 and ``"prefill_first"`` schedulers run: each candidate in turn gets ``min(tokens it needs, budget left)`` where
 its KV blocks can be allocated):
 
-- the candidates in the plan's order: every decode first, then the prompts mid-prefill, then the waiting prompts
+- the candidates in the decision's order: every decode first, then the prompts mid-prefill, then the waiting prompts
   (short ones before long ones under head-of-line protection), less the long prompts the step holds out
-  (``StepPlan.held``: they stay active and keep their blocks);
+  (``StepDecision.held``: they stay active and keep their blocks);
 - the step's token budget (``chunk_size``, or the ``"auto"`` budget), never above transformers' ``max_batch_tokens``;
-- the cap on one request's tokens (``StepPlan.long_cap``), which transformers' loop lacks: while the loop runs,
+- the cap on one request's tokens (``StepDecision.long_cap``), which transformers' loop lacks: while the loop runs,
   the tokens it reads for a prompt are cut to the cap (``_infer_request_tokens``) and the prompt is split at that
   length (``_schedule_request``), so KV blocks are allocated for the capped chunk only.
 
 Every step appends a record to ``step_log`` (bounded in memory; also a JSON-lines file with the ``step_log``
-option): the plan and what transformers scheduled, so tests and benchmarks can check each claim against what ran.
+option): the decision and what transformers scheduled, so tests and benchmarks can check each claim against what ran.
 With ``chunk_size="auto"`` the time from one ``schedule_batch`` to the next (the loop's period: schedule, forward,
 sampling, update) is the step's measured time, fed back to the budget.
 
@@ -38,14 +38,11 @@ from transformers.generation.continuous_batching.requests import FutureRequestSt
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, Scheduler
 
 from sarathi_lite.integrations.options import PluginOptions, build_options
-from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput, TokenBudget
-from sarathi_lite.scheduler.plan import RequestView, StepPlan, plan_step
+from sarathi_lite.scheduler import POLICIES, ScheduledRequest, SchedulerOutput, TokenBudget
+from sarathi_lite.scheduler.decision import RequestView, StepDecision, make_policy
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("sarathi",)
-"""The decision ``plan_step`` makes is the ``sarathi`` policy's; transformers' own ``"fifo"`` and
-``"prefill_first"`` schedulers are the baselines."""
 BUILTIN_SCHEDULERS = ("fifo", "prefill_first")
 """transformers' own scheduler names, which ``register`` never replaces."""
 DEFAULT_SAFETY_MARGIN = 0.15
@@ -81,6 +78,7 @@ class SarathiScheduler(Scheduler):
         self.options = self._parse(cache, max_requests_per_batch)
         config = self.options.config
         self.token_budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
+        self.policy = make_policy(config, self.token_budget)
         self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
         logger.info("sarathi_lite scheduler in transformers: chunk_size %s, hol_protection %s, token budget %d",
                     config.chunk_size, config.hol_protection, config.max_num_batched_tokens)
@@ -106,10 +104,11 @@ class SarathiScheduler(Scheduler):
 
     def reset(self) -> None:
         super().reset()
-        self._held: set[str] = set()  # the long prompts the last step held out (plan_step's just_held)
-        self._cap: int | None = None  # the plan's per-request cap, while transformers' fill loop runs
+        self._cap: int | None = None  # the decision's per-request cap, while transformers' fill loop runs
         self._known: set[str] = set()  # the requests a step record has named
         self._last: tuple[float, SchedulerOutput, dict[str, Any], set[str]] | None = None  # the step not yet timed
+        if hasattr(self, "options"):  # a new generation loop: the policy forgets the last loop's steps
+            self.policy = make_policy(self.options.config, self.token_budget)
 
     # ------------------------------------------------------------------ one step
 
@@ -120,24 +119,37 @@ class SarathiScheduler(Scheduler):
         waiting = [] if self.block_new_requests else self._get_waiting_candidates()
         self._time_last_step(started, active, waiting)
         running_views = [request_view(s) for s in active]
-        plan = plan_step(running_views, [request_view(s) for s in waiting], self.options.config, self.token_budget,
-                         self._held)
-        self._held = set(plan.held)
+        decision = self.policy.decide(running_views, [request_view(s) for s in waiting])
         states = {s.request_id: s for s in (*active, *waiting)}
-        candidates = [states[rid] for rid in (*plan.running, *plan.waiting) if rid not in self._held]
         leaving_waiting: set[str] = set()
-        self._cap = plan.long_cap
-        try:
-            scheduled, allocation_failed, fast_path, num_q, max_kv = self._process_candidates(
-                candidates, min(plan.token_budget, token_budget), cache_budget, leaving_waiting)
-        finally:
-            self._cap = None
+        while True:  # the decision, or its fallback where transformers' fill schedules nothing of it
+            self._cap = decision.long_cap
+            try:
+                scheduled, allocation_failed, fast_path, num_q, max_kv = self._process_candidates(
+                    self._candidates(decision, states), min(decision.token_budget, token_budget), cache_budget,
+                    leaving_waiting)
+            finally:
+                self._cap = None
+            if scheduled or decision.fallback is None:
+                break
+            decision = decision.fallback
         self._cleanup_waiting_queue(leaving_waiting)
         decodes = [v.request_id for v in running_views if v.is_decode]
-        self._record(plan, scheduled, decodes, started)
+        self.policy.stepped(any(f.state.request_id not in decodes for f in scheduled))
+        self._record(decision, scheduled, decodes, started)
         if not scheduled and allocation_failed:  # the cache is full: transformers offloads and asks again
             return None, fast_path, 0, 0
         return scheduled, fast_path, num_q, max_kv
+
+    @staticmethod
+    def _candidates(decision: StepDecision, states: dict[str, RequestState]) -> list[RequestState]:
+        """The requests transformers' fill loop walks for ``decision``: its running order less the held requests,
+        then the waiting prompts it may admit (under ``whole_prompts`` only those it found whole room for, as
+        transformers' loop would otherwise chunk the next one)."""
+        held = set(decision.held)
+        waiting = [rid for rid in decision.waiting if rid in decision.tokens] if decision.whole_prompts \
+            else decision.waiting
+        return [states[rid] for rid in (*decision.running, *waiting) if rid not in held]
 
     def _infer_request_tokens(self, state: RequestState, request_ids_to_remove_from_waiting: set[str]) -> list[int]:
         tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
@@ -154,7 +166,7 @@ class SarathiScheduler(Scheduler):
 
     # ------------------------------------------------------------------ the step log and the "auto" budget
 
-    def _record(self, plan: StepPlan, scheduled: list[FutureRequestState], decodes: list[str], started: float
+    def _record(self, decision: StepDecision, scheduled: list[FutureRequestState], decodes: list[str], started: float
                 ) -> None:
         """Append the step's record: what was planned and what transformers scheduled."""
         counts = {f.state.request_id: f.query_length for f in scheduled}
@@ -163,9 +175,9 @@ class SarathiScheduler(Scheduler):
         self._known = set(states)
         record: dict[str, Any] = {
             "step": len(self.step_log), "new": new, "scheduled": counts, "decodes": decodes,
-            "starved": [s.request_id for s, _ in self.starved_requests], "token_budget": plan.token_budget,
-            "long_cap": plan.long_cap, "held": plan.held, "planned": plan.tokens,
-            "predicted": plan.predicted_step_time, "measured": None, "time": time.monotonic(),
+            "starved": [s.request_id for s, _ in self.starved_requests], "token_budget": decision.token_budget,
+            "long_cap": decision.long_cap, "held": decision.held, "planned": decision.tokens,
+            "predicted": decision.predicted_step_time, "measured": None, "time": time.monotonic(),
         }
         if self.token_budget is not None:  # the "auto" budget's state the step was sized by
             b = self.token_budget

@@ -1,5 +1,5 @@
 """sarathi-lite's scheduling inside vLLM: ``SarathiScheduler``, a vLLM ``AsyncScheduler`` whose steps are decided by
-``sarathi_lite.scheduler.plan`` (decodes first, the token budget or the SLO-aware ``"auto"`` budget, head-of-line
+``sarathi_lite.scheduler.decision`` (decodes first, the token budget or the SLO-aware ``"auto"`` budget, head-of-line
 protection), while vLLM keeps its KV cache manager, connectors and outputs::
 
     vllm serve MODEL --scheduler-cls sarathi_lite.integrations.vllm.SarathiScheduler \\

@@ -8,12 +8,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from sarathi_lite.integrations.options import KEYS, PluginOptions, build_options, check_options
+from sarathi_lite.scheduler import POLICIES as OUR_POLICIES
 
 OPTIONS_KEY = "sarathi_lite"
 """The key of ``additional_config`` that holds the plugin's options."""
-POLICIES = ("sarathi", "vllm_v1")
-"""``sarathi``: our decision (decodes first, the token budget, head-of-line protection); ``vllm_v1``: vLLM's own
-rule left unchanged, only logged (the baseline the simulator's ``vllm_v1`` policy is checked against)."""
+POLICIES = (*OUR_POLICIES, "vllm_v1")
+"""Our policies (``sarathi``, the default: decodes first, the token budget, head-of-line protection; the paper's
+baselines), each applied through vLLM's loop; ``vllm_v1``: vLLM's own rule left unchanged, only logged (the
+baseline the simulator's ``vllm_v1`` policy is checked against)."""
 DEFAULT_CHUNK_SIZE = 512
 """The token budget when ``chunk_size`` is not given (at most vLLM's ``max_num_batched_tokens``)."""
 

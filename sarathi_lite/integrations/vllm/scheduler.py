@@ -2,23 +2,24 @@
 
 vLLM keeps everything it owns: its requests, KV cache manager (``allocate_slots``, prefix caching, preemption),
 connectors, structured output and outputs. Each ``schedule()`` the plugin reads a ``RequestView`` of every running
-and waiting request, asks its policy (``sarathi_lite.scheduler.plan``) for the step, and hands the decision to
+and waiting request, asks its policy (``sarathi_lite.scheduler.decision``) for the step, and hands the decision to
 vLLM's own fill loop through the settings it reads at the top of every step:
 
 - the order of ``self.running`` (decodes first, then prompts mid-prefill) and of ``self.waiting``;
 - ``self.max_num_scheduled_tokens``, the step's token budget (``chunk_size``, or the ``"auto"`` budget);
 - ``scheduler_config.long_prefill_token_threshold``, the cap on one request's tokens in this step (the long
   prompts' share under head-of-line protection);
-- the waiting requests the plan does not admit (a second long prompt, those beyond the free seats) are taken
+- the waiting requests the decision does not admit (a second long prompt, those beyond the free seats) are taken
   out of ``self.waiting`` for the step and put back behind the others;
-- and for a step that holds the long prompts mid-prefill out (``StepPlan.held``: the short prompts beside them
+- and for a step that holds the long prompts mid-prefill out (``StepDecision.held``: the short prompts beside them
   then finish in this step), each such request's ``next_decode_eligible_step``, which vLLM's fill loop checks
-  before it gives a running request tokens. Where vLLM's free KV blocks cannot take the first prompt such a step
-  admits, the step would hold nothing: the plan's fallback (the capped step) is applied instead.
+  before it gives a running request tokens. vLLM's fill loop runs once, so where a step would hold nothing
+  (no running request scheduled, and vLLM's free KV blocks cannot take the first prompt it admits) the decision's
+  fallback is chosen before it runs (``first_runnable``).
 
 All are put back after the step, so vLLM's configuration is unchanged between steps. With
 ``policy="vllm_v1"`` nothing is changed and the steps are only logged. Every step appends a record to
-``step_log`` (bounded in memory; also a JSON-lines file with the ``step_log`` option): the plan and what vLLM
+``step_log`` (bounded in memory; also a JSON-lines file with the ``step_log`` option): the decision and what vLLM
 scheduled, so tests and benchmarks can check each claim against what really ran.
 """
 
@@ -35,7 +36,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput, TokenBudget
-from sarathi_lite.scheduler.plan import RequestView, StepPlan, make_policy
+from sarathi_lite.scheduler.decision import RequestView, first_runnable, make_policy
 
 from .options import describe
 from .preflight import check_vllm_config
@@ -85,21 +86,24 @@ class SarathiScheduler(AsyncScheduler):
             return output
         running = [_view(r) for r in self.running]
         waiting = [_view(r) for r in self.waiting]
-        plan = self._runnable(self.policy.decide(running, waiting))
-        self._reorder(plan)
+        decision = first_runnable(self.policy.decide(running, waiting),
+                                  self.kv_cache_manager.block_pool.get_num_free_blocks(), self.block_size)
+        self._reorder(decision)
         sched = self.scheduler_config
         threshold, max_tokens = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
-        sched.long_prefill_token_threshold = plan.long_cap or 0
-        self.max_num_scheduled_tokens = plan.token_budget
+        sched.long_prefill_token_threshold = decision.long_cap or 0
+        self.max_num_scheduled_tokens = decision.token_budget
         # a held request is skipped by vLLM's fill loop as one not yet eligible (schedule() counts this step as
         # current_step + 1); it keeps its place in self.running, so it is still the preemption victim it would be
-        held_ids = set(plan.held)
+        held_ids = set(decision.held)
         held = [(r, r.next_decode_eligible_step, max(r.next_decode_eligible_step, self.current_step + 2))
                 for r in self.running if r.request_id in held_ids]
         for r, _, skip in held:
             r.next_decode_eligible_step = skip
-        # the waiting requests the plan does not admit (after _reorder, behind those it does) sit the step out
-        planned = set(plan.waiting)
+        # the waiting requests the decision does not admit (after _reorder, behind those it does) sit the step out
+        planned = set(decision.waiting)
+        if decision.whole_prompts:  # vLLM's loop would chunk the next prompt into the budget left
+            planned.intersection_update(decision.tokens)
         hidden = []
         while self.waiting and self.waiting[-1].request_id not in planned:
             hidden.append(self.waiting.pop())
@@ -114,35 +118,21 @@ class SarathiScheduler(AsyncScheduler):
                     r.next_decode_eligible_step = eligible
         decodes = [v.request_id for v in running if v.is_decode]
         self.policy.stepped(bool(set(output.num_scheduled_tokens) - set(decodes)))
-        self._record(output, decodes, plan, started)
+        self._record(output, decodes, decision, started)
         return output
 
-    def _runnable(self, plan: StepPlan) -> StepPlan:
-        """``plan``, or its fallback where a step that holds requests out would hold nothing: it schedules no
-        running request and vLLM's free KV blocks cannot take the first prompt it admits."""
-        if not plan.held or plan.fallback is None:
-            return plan
-        held = set(plan.held)
-        if any(rid in plan.tokens for rid in plan.running if rid not in held):
-            return plan
-        first = next((rid for rid in plan.waiting if rid in plan.tokens), None)
-        if first is None:
-            return plan.fallback
-        need = -(-plan.tokens[first] // self.block_size)
-        return plan if self.kv_cache_manager.block_pool.get_num_free_blocks() >= need else plan.fallback
-
-    def _reorder(self, plan: Any) -> None:
-        """Put ``self.running`` and ``self.waiting`` in the plan's order (in place: vLLM holds references)."""
-        rank = {rid: i for i, rid in enumerate(plan.running)}
+    def _reorder(self, decision: Any) -> None:
+        """Put ``self.running`` and ``self.waiting`` in the decision's order (in place: vLLM holds references)."""
+        rank = {rid: i for i, rid in enumerate(decision.running)}
         self.running.sort(key=lambda r: rank[r.request_id])
-        if len(self.waiting) > 1:  # the plan names the prompts it may admit; the rest keep their order behind
-            order = {rid: i for i, rid in enumerate(plan.waiting)}
+        if len(self.waiting) > 1:  # the decision names the prompts it may admit; the rest keep their order behind
+            order = {rid: i for i, rid in enumerate(decision.waiting)}
             queue = sorted(self.waiting, key=lambda r: order.get(r.request_id, len(order)))
             if any(a is not b for a, b in zip(queue, self.waiting)):
                 self.waiting.clear()
                 self.waiting.extend(queue)
 
-    def _record(self, output: Any, decodes: list[str], plan: Any, started: float) -> None:
+    def _record(self, output: Any, decodes: list[str], decision: Any, started: float) -> None:
         """Append the step's record: what was planned and what vLLM scheduled (``started``: ``perf_counter`` when
         ``schedule`` began)."""
         scheduled = dict(output.num_scheduled_tokens)
@@ -155,16 +145,16 @@ class SarathiScheduler(AsyncScheduler):
             "scheduled": scheduled,
             "decodes": decodes,
             "preempted": preempted,
-            "token_budget": plan.token_budget if plan else self.max_num_scheduled_tokens,
-            "long_cap": plan.long_cap if plan else None,
-            "held": plan.held if plan else [],
-            "planned": plan.tokens if plan else None,
-            "predicted": plan.predicted_step_time if plan else None,
+            "token_budget": decision.token_budget if decision else self.max_num_scheduled_tokens,
+            "long_cap": decision.long_cap if decision else None,
+            "held": decision.held if decision else [],
+            "planned": decision.tokens if decision else None,
+            "predicted": decision.predicted_step_time if decision else None,
             "measured": None,
             "gap": None,
             "time": time.monotonic(),
         }
-        if self.budget is not None and plan is not None:  # the "auto" budget's state the step was sized by
+        if self.budget is not None and decision is not None:  # the "auto" budget's state the step was sized by
             b = self.budget
             record["budget"] = {"target": b.target, "correction": b.correction, "spread": b.spread,
                                 "between": b.between}

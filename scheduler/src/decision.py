@@ -2,20 +2,20 @@
 
 A host (our ``Scheduler``, the vLLM plugin, the transformers host, your own engine loop) keeps its own requests and
 KV cache. Each step it hands the policy a view of every running request it may schedule and of every waiting one
-(``RequestView``, or any object with the same attributes), and gets back a ``StepPlan``, which it applies with one
+(``RequestView``, or any object with the same attributes), and gets back a ``StepDecision``, which it applies with one
 greedy fill, the loop vLLM runs:
 
-1. walk ``plan.running`` in order, skipping ``plan.held``; give each request ``min(tokens it still needs,
-   plan.long_cap, budget left)`` while ``plan.token_budget`` lasts. A request that needs a KV block the pool
-   cannot give preempts the last request of ``plan.running`` (itself, if it is the last);
-2. then, only in a step that preempted nobody, admit ``plan.waiting`` in order while seats, KV blocks and budget
-   last, each with the same ``min``; under ``plan.whole_prompts`` (the unchunked policies) only a prompt whose
+1. walk ``decision.running`` in order, skipping ``decision.held``; give each request ``min(tokens it still needs,
+   decision.long_cap, budget left)`` while ``decision.token_budget`` lasts. A request that needs a KV block the pool
+   cannot give preempts the last request of ``decision.running`` (itself, if it is the last);
+2. then, only in a step that preempted nobody, admit ``decision.waiting`` in order while seats, KV blocks and budget
+   last, each with the same ``min``; under ``decision.whole_prompts`` (the unchunked policies) only a prompt whose
    whole remaining prefill fits the budget left, stopping at the first that does not;
-3. if the step holds no token at all, apply ``plan.fallback`` the same way (the unchunked policies' decode step
+3. if the step holds no token at all, apply ``decision.fallback`` the same way (the unchunked policies' decode step
    when no prompt could be admitted, ``simple_chunking``'s other kind of step).
 
-``StepPlan.tokens`` is what that fill gives when blocks and seats do not run out; a host may read it, but the
-fill is what applies the plan, so prefix-cache hits and preemption work out as in any vLLM-style loop.
+``StepDecision.tokens`` is what that fill gives when blocks and seats do not run out; a host may read it, but the
+fill is what applies the decision, so prefix-cache hits and preemption work out as in any vLLM-style loop.
 
 The policies (``POLICIES``; ``make_policy`` builds one):
 
@@ -94,7 +94,7 @@ class RequestView:
 
 
 @dataclass(slots=True)
-class StepPlan:
+class StepDecision:
     """One step's decision, in the terms a greedy fill loop takes (see the module docstring).
 
     running: running request ids in the order the step fills them (held ones at their place: the order is also
@@ -108,7 +108,7 @@ class StepPlan:
     whole_prompts: admit a waiting prompt only if its whole remaining prefill fits the budget left.
     fallback: the step to apply instead when this one holds no token.
     views: the views of ``running`` in its order (the objects the host passed: a host whose views are its own
-        requests walks them without looking ids up); not part of the plan's equality.
+        requests walks them without looking ids up); not part of the decision's equality.
     """
 
     running: list[str]
@@ -119,7 +119,7 @@ class StepPlan:
     predicted_step_time: float | None = None
     held: list[str] = field(default_factory=list)
     whole_prompts: bool = False
-    fallback: StepPlan | None = None
+    fallback: StepDecision | None = None
     views: list = field(default_factory=list, compare=False, repr=False)
 
 
@@ -178,14 +178,14 @@ def decode_rows(decodes: Sequence[View]) -> SchedulerOutput:
     return out
 
 
-def plan_step(running: Sequence[View], waiting: Sequence[View], config: SchedulerConfig,
+def decide_step(running: Sequence[View], waiting: Sequence[View], config: SchedulerConfig,
               budget: TokenBudget | None = None, just_held: Collection[str] = (),
-              num_other_running: int = 0) -> StepPlan:
+              num_other_running: int = 0) -> StepDecision:
     """The ``sarathi`` policy's step (see the module docstring).
 
     running: the running requests the step may schedule, in the host's order. waiting: the queue, in its order.
     config: a chunked policy's ``SchedulerConfig``. budget: the ``TokenBudget`` of ``chunk_size="auto"`` (required
-    then). just_held: the previous step's ``StepPlan.held`` (not held again). num_other_running: requests holding a
+    then). just_held: the previous step's ``StepDecision.held`` (not held again). num_other_running: requests holding a
     seat that are not in ``running`` (in flight, loading KV): they count against ``max_num_seqs``."""
     decodes = [v for v in running if v.is_decode]
     prefills = sorted((v for v in running if not v.is_decode), key=_arrival) if len(decodes) < len(running) else []
@@ -226,7 +226,7 @@ def plan_step(running: Sequence[View], waiting: Sequence[View], config: Schedule
     seat_bound = len(waiting) > seats
     if config.auto_budget:
         if budget is None:
-            raise ValueError("chunk_size='auto' needs a TokenBudget to plan a step")
+            raise ValueError("chunk_size='auto' needs a TokenBudget to decide a step")
         # sized on the prompts in the order they take tokens: the short ones first where the long ones may be
         # held (the step is sized again below if they are); else the prompts mid-prefill first, since the cap may
         # give the long ones their share before the short ones are through
@@ -269,18 +269,18 @@ def plan_step(running: Sequence[View], waiting: Sequence[View], config: Schedule
     running_ids = [*decode_ids, *_ids(prefills)] if prefills else decode_ids
     waiting_ids = _ids(waiting_order)
     if not any(tokens.get(v.request_id, 0) < v.num_remaining for v in protected):
-        return StepPlan(running_ids, waiting_ids, token_budget, long_cap, tokens,
+        return StepDecision(running_ids, waiting_ids, token_budget, long_cap, tokens,
                         _predict(budget, ordered, waiting_order, tokens), views=ordered)
     # the cap cuts a short prompt: the long prompts sit this step out and the short ones take the budget. Where
     # the host cannot admit them (the KV pool is short) the step would hold nothing: the capped step is then its
     # fallback
-    capped = StepPlan(running_ids, waiting_ids, token_budget, long_cap, tokens,
+    capped = StepDecision(running_ids, waiting_ids, token_budget, long_cap, tokens,
                       _predict(budget, ordered, waiting_order, tokens), views=ordered)
     held = _ids(longs)
     if config.auto_budget:
         token_budget = _auto_budget(budget, decodes, [*shorts, *seated], seat_bound, limit)
     tokens = fill_step(shorts, token_budget, None, max_running - len(held))  # held requests keep their seats
-    return StepPlan(running_ids, waiting_ids, token_budget, None, tokens,
+    return StepDecision(running_ids, waiting_ids, token_budget, None, tokens,
                     _predict(budget, ordered, waiting_order, tokens), held, fallback=capped, views=ordered)
 
 
@@ -290,8 +290,26 @@ def _predict(budget: TokenBudget | None, running: Sequence[View], waiting: Seque
     return None if budget is None else budget.predict(_planned_output(running, waiting, tokens))
 
 
-def then(first: StepPlan | None, other: StepPlan) -> StepPlan:
-    """``first`` with ``other`` applied when ``first`` and all its fallbacks hold nothing (copies: plans are not
+def first_runnable(decision: StepDecision, free_blocks: int, block_size: int) -> StepDecision:
+    """The step of the chain ``decision`` -> its fallbacks that a host whose fill loop runs once (vLLM's) applies:
+    the first that gives a running request a token, or whose first admitted prompt fits ``free_blocks`` KV blocks
+    of ``block_size`` tokens. The rule is the module docstring's third one (a step that would hold no token gives
+    way to its fallback), predicted before the fill; a host that can fill again (our ``Scheduler``) applies it
+    after an empty fill instead. The prediction ignores prefix-cache hits, so it may fall back where the fill
+    would have found room in the cache, never the other way."""
+    while decision.fallback is not None:
+        held = set(decision.held)
+        if any(decision.tokens.get(rid) for rid in decision.running if rid not in held):
+            return decision
+        first = next((rid for rid in decision.waiting if rid in decision.tokens), None)
+        if first is not None and free_blocks * block_size >= decision.tokens[first]:
+            return decision
+        decision = decision.fallback
+    return decision
+
+
+def then(first: StepDecision | None, other: StepDecision) -> StepDecision:
+    """``first`` with ``other`` applied when ``first`` and all its fallbacks hold nothing (copies: decisions are not
     changed)."""
     if first is None:
         return other
@@ -331,7 +349,7 @@ def _arrival(view: View) -> float:
 
 
 class Policy:
-    """A policy decides each step from views (``decide``); a host applies the plan (module docstring) and tells it
+    """A policy decides each step from views (``decide``); a host applies the decision (module docstring) and tells it
     whether the step it ran held prefill tokens (``stepped``). A new policy is one subclass with a ``name`` and
     ``chunked`` (whether it cuts prompts under ``chunk_size``) and one ``register_policy``."""
 
@@ -345,8 +363,8 @@ class Policy:
         self.config = config
         self.budget = budget
 
-    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepPlan:
-        """The step for these views (``num_other_running``: see ``plan_step``)."""
+    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepDecision:
+        """The step for these views (``num_other_running``: see ``decide_step``)."""
         raise NotImplementedError
 
     def stepped(self, had_prefill: bool) -> None:
@@ -356,17 +374,17 @@ class Policy:
         """The waiting requests a step may admit: as many as seats are free, in queue order."""
         return list(islice(waiting, max(self.config.max_running - num_other_running - len(running), 0)))
 
-    def _decode_step(self, running: Sequence[View]) -> StepPlan:
+    def _decode_step(self, running: Sequence[View]) -> StepDecision:
         """A decode-only step: every decode, the rest held, nothing admitted."""
         decodes = [v for v in running if v.is_decode]
         held = [v.request_id for v in running if not v.is_decode]
-        return StepPlan(_ids(running), [], max(len(decodes), 1), None,
+        return StepDecision(_ids(running), [], max(len(decodes), 1), None,
                         {v.request_id: 1 for v in decodes}, None, held)
 
 
 @register_policy
 class Sarathi(Policy):
-    """Stall-free hybrid batches with head-of-line protection (``plan_step``)."""
+    """Stall-free hybrid batches with head-of-line protection (``decide_step``)."""
 
     name = "sarathi"
 
@@ -374,10 +392,10 @@ class Sarathi(Policy):
         super().__init__(config, budget)
         self._held: Collection[str] = ()
 
-    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepPlan:
-        plan = plan_step(running, waiting, self.config, self.budget, self._held, num_other_running)
-        self._held = set(plan.held) if plan.held else ()
-        return plan
+    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepDecision:
+        decision = decide_step(running, waiting, self.config, self.budget, self._held, num_other_running)
+        self._held = set(decision.held) if decision.held else ()
+        return decision
 
 
 @register_policy
@@ -388,13 +406,13 @@ class VLLMV0(Policy):
     name = "vllm"
     chunked = False
 
-    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepPlan:
+    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepDecision:
         decode = self._decode_step(running)
         seated = self._seated(running, waiting, num_other_running)
         if not seated:
             return decode
         budget = self.config.max_num_batched_tokens
-        return StepPlan(_ids(running), _ids(seated), budget, None, fill((), seated, budget, None, None, True),
+        return StepDecision(_ids(running), _ids(seated), budget, None, fill((), seated, budget, None, None, True),
                         held=_ids(running), whole_prompts=True, fallback=decode)
 
 
@@ -406,10 +424,10 @@ class Orca(Policy):
     name = "orca"
     chunked = False
 
-    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepPlan:
+    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepDecision:
         seated = self._seated(running, waiting, num_other_running)
         budget = self.config.max_num_batched_tokens
-        return StepPlan(_ids(running), _ids(seated), budget, None, fill(running, seated, budget, None, None, True),
+        return StepDecision(_ids(running), _ids(seated), budget, None, fill(running, seated, budget, None, None, True),
                         whole_prompts=True)
 
 
@@ -421,12 +439,12 @@ class RequestLevel(Policy):
     name = "request_level"
     chunked = False
 
-    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepPlan:
+    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepDecision:
         if running or num_other_running:
             return self._decode_step(running)
         seated = self._seated(running, waiting, 0)
         budget = self.config.max_num_batched_tokens
-        return StepPlan([], _ids(seated), budget, None, fill((), seated, budget, None, None, True),
+        return StepDecision([], _ids(seated), budget, None, fill((), seated, budget, None, None, True),
                         whole_prompts=True)
 
 
@@ -442,7 +460,7 @@ class SimpleChunking(Sarathi):
         super().__init__(config, budget)
         self._last_had_prefill = False
 
-    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepPlan:
+    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepDecision:
         decodes = [v for v in running if v.is_decode]
         prompts = [v for v in running if not v.is_decode]
         prefill = self._without(super().decide(prompts, waiting, num_other_running + len(decodes)), decodes)
@@ -453,11 +471,11 @@ class SimpleChunking(Sarathi):
         return then(prefill, then(decode, prefill))
 
     @staticmethod
-    def _without(plan: StepPlan, decodes: Sequence[View]) -> StepPlan:
-        """``plan`` (and its fallbacks) with ``decodes`` held at the head of its running order."""
+    def _without(decision: StepDecision, decodes: Sequence[View]) -> StepDecision:
+        """``decision`` (and its fallbacks) with ``decodes`` held at the head of its running order."""
         ids = _ids(decodes)
-        fallback = None if plan.fallback is None else SimpleChunking._without(plan.fallback, decodes)
-        return replace(plan, running=[*ids, *plan.running], held=[*ids, *plan.held], fallback=fallback)
+        fallback = None if decision.fallback is None else SimpleChunking._without(decision.fallback, decodes)
+        return replace(decision, running=[*ids, *decision.running], held=[*ids, *decision.held], fallback=fallback)
 
     def stepped(self, had_prefill: bool) -> None:
         self._last_had_prefill = had_prefill
@@ -475,12 +493,12 @@ class VLLMV1(Policy):
     name = "vllm_v1"
     reproduces = "vLLM 0.32 V1 scheduler"
 
-    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepPlan:
+    def decide(self, running: Sequence[View], waiting: Sequence[View], num_other_running: int = 0) -> StepDecision:
         cfg = self.config
         threshold = cfg.long_prefill_token_threshold
         cap = threshold if threshold and len(running) + num_other_running + len(waiting) > 1 else None
         seated = self._seated(running, waiting, num_other_running)
-        return StepPlan(_ids(running), _ids(seated), cfg.token_budget, cap,
+        return StepDecision(_ids(running), _ids(seated), cfg.token_budget, cap,
                         fill(running, seated, cfg.token_budget, cap))
 
 

@@ -1,8 +1,8 @@
-"""What one call of the decision costs a host: ``plan_step`` over N running requests (a quarter of them mid-prefill,
+"""What one call of the decision costs a host: ``decide_step`` over N running requests (a quarter of them mid-prefill,
 short and long, the rest decoding) and a queue of waiting prompts, with a fixed chunk size and with
 ``chunk_size="auto"`` (a profiled cost model), with head-of-line protection on (the default) and off.
 
-    python benchmarks/plan_step_cost.py            # about a minute
+    python benchmarks/decide_step_cost.py            # about a minute
 
 Prints a table and writes ``--out`` (JSON: command, date, commit, machine, load average). Microseconds per call,
 the median of ``--repeats`` timed batches of calls (each batch long enough to time), on one core.
@@ -24,7 +24,7 @@ from pathlib import Path
 from sarathi_lite.bench.results import commit, portable_arg
 from sarathi_lite.costs import load_cost_model
 from sarathi_lite.scheduler import SchedulerConfig, TokenBudget
-from sarathi_lite.scheduler.plan import RequestView, plan_step
+from sarathi_lite.scheduler.decision import RequestView, decide_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,19 +48,19 @@ def views(n_running: int, n_waiting: int, seed: int = 0) -> tuple[list[RequestVi
 
 def time_calls(running: list[RequestView], waiting: list[RequestView], config: SchedulerConfig,
                budget: TokenBudget | None, repeats: int) -> float:
-    """Median microseconds per ``plan_step`` call."""
-    plan_step(running, waiting, config, budget)
+    """Median microseconds per ``decide_step`` call."""
+    decide_step(running, waiting, config, budget)
     t0 = time.perf_counter()
     calls = 0
     while time.perf_counter() - t0 < 0.05:
-        plan_step(running, waiting, config, budget)
+        decide_step(running, waiting, config, budget)
         calls += 1
     per_batch = max(calls, 1)
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(per_batch):
-            plan_step(running, waiting, config, budget)
+            decide_step(running, waiting, config, budget)
         samples.append((time.perf_counter() - t0) / per_batch * 1e6)
     return statistics.median(samples)
 
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--waiting", type=int, default=64)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--cost-model", default=str(ROOT / "benchmarks" / "results" / "sim_profile_smollm2_2026-12-06.json"))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_step_cost.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decide_step_cost.json"))
     args = p.parse_args()
     load = os.getloadavg()
     cost = load_cost_model(args.cost_model)

@@ -1,4 +1,4 @@
-"""The step decision over a read-only view (``sarathi_lite.scheduler.plan``), which the vLLM plugin applies: it
+"""The step decision over a read-only view (``sarathi_lite.scheduler.decision``), which the vLLM plugin applies: it
 makes the same batches as our own scheduler where the two rules coincide, and each claim holds on its own."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from sarathi_lite.scheduler import (
     TokenBudget,
     make_scheduler,
 )
-from sarathi_lite.scheduler.plan import RequestView, fill, long_share, plan_step
+from sarathi_lite.scheduler.decision import RequestView, decide_step, fill, long_share
 
 
 def view(req: Request) -> RequestView:
-    """The read-only view of our scheduler's ``req`` that ``plan_step`` decides from."""
+    """The read-only view of our scheduler's ``req`` that ``decide_step`` decides from."""
     return RequestView(req.request_id, req.num_computed_tokens, req.num_tokens, len(req.prompt_token_ids), req.seq)
 
 
@@ -38,7 +38,7 @@ def test_plan_makes_our_schedulers_fcfs_batches_on_random_workloads(seed):
         for _ in range(rng.randint(0, 2)):
             if pending:
                 sched.add(pending.pop(0))
-        plan = plan_step([view(r) for r in sched.running], [view(r) for r in sched.waiting], config)
+        plan = decide_step([view(r) for r in sched.running], [view(r) for r in sched.waiting], config)
         out = sched.schedule()
         assert plan.tokens == {s.request_id: s.num_new_tokens for s in out.scheduled}, steps
         sched.update(out, {s.request_id: 7 for s in out.scheduled if s.sample})
@@ -50,10 +50,10 @@ def test_decodes_come_first_and_all_of_them_even_beyond_the_chunk_size():
     config = SchedulerConfig(chunk_size=4, max_num_seqs=16, hol_protection=False)
     prefill = RequestView("p", 0, 50, 50, 0)
     decodes = [RequestView(f"d{i}", 10, 11, 10, i + 1) for i in range(6)]
-    plan = plan_step([prefill, *decodes], [], config)
+    plan = decide_step([prefill, *decodes], [], config)
     assert plan.running == ["p", *[d.request_id for d in decodes]][1:] + ["p"]
     assert plan.token_budget == 6 and plan.tokens == {d.request_id: 1 for d in decodes}
-    plan = plan_step([prefill, *decodes[:2]], [], config)
+    plan = decide_step([prefill, *decodes[:2]], [], config)
     assert plan.tokens == {"d0": 1, "d1": 1, "p": 2}
 
 
@@ -62,17 +62,17 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     long = RequestView("long", 64, 1000, 1000, 0)
     short = RequestView("short", 0, 20, 20, 1)
     decode = RequestView("d", 30, 31, 30, 2)
-    plan = plan_step([long, decode], [short], config)
+    plan = decide_step([long, decode], [short], config)
     assert long_share(config, 63, 936) == 16  # a quarter of the 64-token chunk (63 prefill tokens beside a decode)
     # the long prompt gets what the short one leaves, more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
     # short prompts that need more than the budget less the share: the long prompts are held to their share
     # (in a step after one they were held out of: see the next test)
     crowd = [RequestView(f"s{i}", 0, 30, 30, i + 1) for i in range(3)]
-    plan = plan_step([long, decode], crowd, config, just_held=["long"])
+    plan = decide_step([long, decode], crowd, config, just_held=["long"])
     assert plan.long_cap == 16 and plan.tokens == {"d": 1, "long": 16, "s0": 16, "s1": 16, "s2": 15}
     # nobody to protect: the long prompt takes the whole budget left
-    assert plan_step([long, decode], [], config).tokens == {"d": 1, "long": 63}
+    assert decide_step([long, decode], [], config).tokens == {"d": 1, "long": 63}
 
 
 def test_a_short_prompt_the_cap_would_cut_finishes_in_this_step_with_the_long_prompt_held_out_of_it():
@@ -80,24 +80,24 @@ def test_a_short_prompt_the_cap_would_cut_finishes_in_this_step_with_the_long_pr
     long = RequestView("long", 64, 1000, 1000, 0)
     decode = RequestView("d", 30, 31, 30, 2)
     short = RequestView("short", 0, 40, 40, 1)
-    plan = plan_step([long, decode], [short], config)
+    plan = decide_step([long, decode], [short], config)
     # one cap for every request: max(share 16, 63 - 40) = 23 would cut the short prompt to 23 of its 40 tokens
     assert plan.held == ["long"] and plan.long_cap is None
     assert plan.tokens == {"d": 1, "short": 40}
     assert plan.running == ["d", "long"]  # held out of the step, it keeps its place (and its seat)
     # never two steps running: with the long prompt held in the previous step, the cap splits the short one
-    again = plan_step([long, decode], [short], config, just_held=["long"])
+    again = decide_step([long, decode], [short], config, just_held=["long"])
     assert again.held == [] and again.long_cap == 23 and again.tokens == {"d": 1, "long": 23, "short": 23}
     # short prompts that would not all finish even without the long one: held too, the oldest finishes now and
     # the next fills the budget (under the cap the long prompt and each short one would get 16)
-    crowd = plan_step([long, decode], [short, RequestView("s2", 0, 40, 40, 3)], config)
+    crowd = decide_step([long, decode], [short, RequestView("s2", 0, 40, 40, 3)], config)
     assert crowd.held == ["long"] and crowd.tokens == {"d": 1, "short": 40, "s2": 23}
     # only the short prompts with a seat count: one seat left, the short prompt in it finishes
-    seated = plan_step([long, decode], [short, RequestView("s2", 0, 40, 40, 3)],
+    seated = decide_step([long, decode], [short, RequestView("s2", 0, 40, 40, 3)],
                        SchedulerConfig(chunk_size=64, max_num_seqs=3))
     assert seated.held == ["long"] and seated.tokens == {"d": 1, "short": 40}
     # a short prompt the cap does not cut: the long prompt takes what it leaves, as before
-    small = plan_step([long, decode], [RequestView("s", 0, 20, 20, 1)], config)
+    small = decide_step([long, decode], [RequestView("s", 0, 20, 20, 1)], config)
     assert small.held == [] and small.tokens == {"d": 1, "long": 43, "s": 20}
 
 
@@ -108,14 +108,14 @@ def test_no_cap_cuts_a_short_prompt_where_the_long_prompt_gets_its_tokens_withou
     long = RequestView("long", 990, 1000, 1000, 0)  # 10 tokens left
     decode = RequestView("d", 30, 31, 30, 2)
     for just_held in ((), ["long"]):
-        plan = plan_step([long, decode], [RequestView("short", 0, 50, 50, 1)], config, just_held=just_held)
+        plan = decide_step([long, decode], [RequestView("short", 0, 50, 50, 1)], config, just_held=just_held)
         assert plan.held == [] and plan.long_cap is None
         assert plan.tokens == {"d": 1, "long": 10, "short": 50}
     # a prompt that finishes in this step is long no more: beside a short prompt one token too long for the step
     # it is neither capped nor held (it finishes now, the short prompt takes the rest and finishes next step)
     bigger = RequestView("short", 0, 54, 54, 1)
     for just_held in ((), ["long"]):
-        plan = plan_step([long, decode], [bigger], config, just_held=just_held)
+        plan = decide_step([long, decode], [bigger], config, just_held=just_held)
         assert plan.held == [] and plan.long_cap is None
         assert plan.tokens == {"d": 1, "long": 10, "short": 53}
     # still long with more than a step's prefill left, beside a short prompt mid-prefill that would take its share
@@ -123,18 +123,18 @@ def test_no_cap_cuts_a_short_prompt_where_the_long_prompt_gets_its_tokens_withou
     # the short prompt too (the price of one cap for every request, paid one step in two)
     longer = RequestView("long", 900, 1000, 1000, 0)
     running_short = RequestView("s", 20, 200, 200, 1)
-    plan = plan_step([longer, running_short, decode], [], config, just_held=["long"])
+    plan = decide_step([longer, running_short, decode], [], config, just_held=["long"])
     assert plan.long_cap == 16 and plan.tokens == {"d": 1, "s": 16, "long": 16}
-    assert plan_step([longer, running_short, decode], [], config).held == ["long"]
+    assert decide_step([longer, running_short, decode], [], config).held == ["long"]
 
 
 def test_waiting_short_prompts_are_admitted_before_an_earlier_long_one():
     config = SchedulerConfig(chunk_size=64, max_num_seqs=16)
     waiting = [RequestView("long", 0, 900, 900, 0), RequestView("s1", 0, 10, 10, 1), RequestView("s2", 0, 30, 30, 2)]
-    plan = plan_step([], waiting, config)
+    plan = decide_step([], waiting, config)
     assert plan.waiting == ["s1", "s2", "long"]
     assert plan.tokens == {"s1": 10, "s2": 30, "long": 24}
-    off = plan_step([], waiting, SchedulerConfig(chunk_size=64, max_num_seqs=16, hol_protection=False))
+    off = decide_step([], waiting, SchedulerConfig(chunk_size=64, max_num_seqs=16, hol_protection=False))
     assert off.waiting == ["long", "s1", "s2"] and off.tokens == {"long": 64}
 
 
@@ -150,7 +150,7 @@ def test_auto_budget_plans_the_largest_step_within_the_target():
                              max_num_batched_tokens=2048, max_num_seqs=64, hol_protection=False)
     budget = TokenBudget(config, PerTokenCost())
     decodes = [RequestView(f"d{i}", 100, 101, 100, i) for i in range(40)]
-    plan = plan_step(decodes, [RequestView("p", 0, 5000, 5000, 99)], config, budget)
+    plan = decide_step(decodes, [RequestView("p", 0, 5000, 5000, 99)], config, budget)
     assert plan.predicted_step_time <= 0.05
     prefill = plan.tokens["p"]
     # the step (decodes and prefill) is whole blocks, and one more block would not fit
@@ -160,13 +160,13 @@ def test_auto_budget_plans_the_largest_step_within_the_target():
 
 def test_under_auto_the_long_share_inside_vllm_is_taken_from_the_cap_not_the_step():
     # one cap for every request of vLLM's loop: the long prompt keeps min(max_num_batched_tokens // 4, half the
-    # step) beside short prompts that want more, as measured best inside vLLM (see plan_step)
+    # step) beside short prompts that want more, as measured best inside vLLM (see decide_step)
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16,
                              max_num_batched_tokens=2048, max_num_seqs=64)
     budget = TokenBudget(config, PerTokenCost())
     long = RequestView("long", 496, 5000, 5000, 0)  # long under "auto": above max_num_batched_tokens
     shorts = [RequestView(f"s{i}", 0, 200, 200, i + 1) for i in range(3)]
-    plan = plan_step([long], shorts, config, budget, just_held=["long"])  # not held again (see plan_step)
+    plan = decide_step([long], shorts, config, budget, just_held=["long"])  # not held again (see decide_step)
     assert plan.token_budget == 496 and plan.long_cap == 248
     assert plan.tokens == {"long": 248, "s0": 200, "s1": 48}
 
@@ -207,7 +207,7 @@ def test_under_auto_a_short_prompt_beside_a_long_prefill_is_sized_at_its_own_cos
     long = RequestView("long", 2400, 5000, 5000, 0)  # long under "auto": above max_num_batched_tokens
     decode = RequestView("d", 50, 51, 50, 1)
     short = RequestView("short", 0, 168, 168, 2)
-    plan = plan_step([long, decode], [short], config, budget)
+    plan = decide_step([long, decode], [short], config, budget)
     assert plan.held == [] and plan.tokens["short"] == 168 and plan.tokens["d"] == 1
     # the step fits (the efficiency pass may take a step up to 128 tokens below the largest fitting one, with the
     # short prompt's tokens given first: design/scheduler.md)
@@ -223,7 +223,7 @@ def test_under_auto_a_step_that_holds_the_long_prompt_out_is_sized_again_for_the
     long = RequestView("long", 2400, 5000, 5000, 0)
     decode = RequestView("d", 50, 51, 50, 1)
     shorts = [RequestView(f"s{i}", 0, 150, 150, 2 + i) for i in range(2)]
-    plan = plan_step([long, decode], shorts, config, budget)
+    plan = decide_step([long, decode], shorts, config, budget)
     # the 300 short tokens fit the step, but not beside the long prompt's share: the long prompt is held out and
     # the step holds the two short prompts whole, as many tokens as fit with them alone
     assert plan.held == ["long"] and plan.tokens == {"d": 1, "s0": 150, "s1": 150}
