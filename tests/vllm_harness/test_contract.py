@@ -80,6 +80,36 @@ def test_tokens_and_finished_outputs_equal_vllms_default_scheduler(model, async_
 
 
 @ASYNC
+@pytest.mark.parametrize("policy", ["simple_chunking", "vllm", "orca", "request_level"])
+def test_every_policy_decides_inside_vllm_with_the_default_schedulers_outputs_and_its_own_steps(
+        model, async_scheduling, policy):
+    """Each of our policies through vLLM's loop: the tokens and finish reasons of vLLM's default scheduler, and
+    steps of the policy's shape (the unchunked policies on a step budget of the whole context, as they need)."""
+    stream = long_tail_stream(4, longs=2, shorts=12)
+    chunked = policy == "simple_chunking"
+    budget = BUDGET if chunked else 4096
+    default = run(model, "default", async_scheduling, stream, max_num_batched_tokens=budget)
+    harness = run(model, "plugin", async_scheduling, stream, max_num_batched_tokens=budget,
+                  plugin_options={"policy": policy, **({"chunk_size": BUDGET} if chunked else {})})
+    assert harness.finish_reasons == default.finish_reasons and harness.tokens == default.tokens
+    steps = [s for s in harness.steps if s.scheduled]
+    assert not any(s.preempted for s in steps)
+    lens = harness.prompt_lens
+    mixed = [s for s in steps if s.prefills and set(s.scheduled) - set(s.prefills)]
+    if policy == "orca":
+        assert mixed, "orca never batched a prompt with decodes"
+    else:  # prefill and decodes never share a step
+        assert not mixed, (mixed[0].index, mixed[0].scheduled)
+    chunks = [(rid, s.scheduled[rid]) for s in steps for rid in s.prefills]
+    if chunked:
+        assert any(n < lens[rid] for rid, n in chunks), "no prompt was split over steps"
+    else:  # whole prompts, each in one step
+        assert all(n == lens[rid] for rid, n in chunks), chunks
+    if policy == "request_level":  # a new batch only once the last has finished
+        assert all(not s.decodes for s in steps if s.prefills)
+
+
+@ASYNC
 @pytest.mark.parametrize("scheduler", ["default", "plugin"])
 def test_preemption_and_aborts_mid_prefill_and_mid_decode_leave_the_block_pool_whole(model, async_scheduling,
                                                                                       scheduler):
