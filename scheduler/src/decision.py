@@ -195,8 +195,9 @@ def decide_step(running: Sequence[View], waiting: Sequence[View], config: Schedu
     seats = max(max_running - len(running), 0)
     threshold = config.long_threshold if config.protects_short_prompts else None
     if threshold is not None and not any(v.num_prompt_tokens > threshold for v in prefills) \
-            and not any(v.num_prompt_tokens > threshold for v in waiting):
-        threshold = None  # no prompt is long: nothing to protect, nothing to reorder
+            and not any(v.num_prompt_tokens > threshold for v in islice(waiting, seats)):
+        threshold = None  # no prompt the step may run is long: nothing to protect, nothing to reorder (a long
+        # prompt behind the free seats changes nothing: the seats go to the prompts ahead of it, all short)
     # the waiting prompts in admission order, as many as seats are free (no step admits more)
     waiting_order = list(islice(waiting, seats))
     longs: list[View] = []
