@@ -63,33 +63,34 @@ def test_short_prompt_beside_a_long_prefill_gets_the_budget_the_long_share_leave
     short = RequestView("short", 0, 20, 20, 1)
     decode = RequestView("d", 30, 31, 30, 2)
     plan = decide_step([long, decode], [short], config)
-    assert long_share(config, 63, 936) == 16  # a quarter of the 64-token chunk (63 prefill tokens beside a decode)
+    assert long_share(63, 936) == 31  # half the step's prefill (63 tokens beside a decode)
+    assert long_share(63, 20) == 20  # or what the long prompts still need
     # the long prompt gets what the short one leaves, more than its share
     assert plan.long_cap == 43 and plan.tokens == {"d": 1, "long": 43, "short": 20}
     # short prompts that need more than the budget less the share: the long prompts are held to their share
     # (in a step after one they were held out of: see the next test)
     crowd = [RequestView(f"s{i}", 0, 30, 30, i + 1) for i in range(3)]
     plan = decide_step([long, decode], crowd, config, just_held=["long"])
-    assert plan.long_cap == 16 and plan.tokens == {"d": 1, "long": 16, "s0": 16, "s1": 16, "s2": 15}
+    assert plan.long_cap == 31 and plan.tokens == {"d": 1, "long": 31, "s0": 30, "s1": 2}
     # nobody to protect: the long prompt takes the whole budget left
     assert decide_step([long, decode], [], config).tokens == {"d": 1, "long": 63}
 
 
 def test_a_short_prompt_the_cap_would_cut_finishes_in_this_step_with_the_long_prompt_held_out_of_it():
-    config = SchedulerConfig(chunk_size=64, max_num_seqs=16)  # long: above 256 tokens; share 16 of 63
+    config = SchedulerConfig(chunk_size=64, max_num_seqs=16)  # long: above 256 tokens; share 31 of 63
     long = RequestView("long", 64, 1000, 1000, 0)
     decode = RequestView("d", 30, 31, 30, 2)
     short = RequestView("short", 0, 40, 40, 1)
     plan = decide_step([long, decode], [short], config)
-    # one cap for every request: max(share 16, 63 - 40) = 23 would cut the short prompt to 23 of its 40 tokens
+    # one cap for every request: max(share 31, 63 - 40) = 31 would cut the short prompt to 31 of its 40 tokens
     assert plan.held == ["long"] and plan.long_cap is None
     assert plan.tokens == {"d": 1, "short": 40}
     assert plan.running == ["d", "long"]  # held out of the step, it keeps its place (and its seat)
     # never two steps running: with the long prompt held in the previous step, the cap splits the short one
     again = decide_step([long, decode], [short], config, just_held=["long"])
-    assert again.held == [] and again.long_cap == 23 and again.tokens == {"d": 1, "long": 23, "short": 23}
+    assert again.held == [] and again.long_cap == 31 and again.tokens == {"d": 1, "long": 31, "short": 31}
     # short prompts that would not all finish even without the long one: held too, the oldest finishes now and
-    # the next fills the budget (under the cap the long prompt and each short one would get 16)
+    # the next fills the budget (under the cap the long prompt and the first short one would get 31, the next 1)
     crowd = decide_step([long, decode], [short, RequestView("s2", 0, 40, 40, 3)], config)
     assert crowd.held == ["long"] and crowd.tokens == {"d": 1, "short": 40, "s2": 23}
     # only the short prompts with a seat count: one seat left, the short prompt in it finishes
@@ -119,12 +120,12 @@ def test_no_cap_cuts_a_short_prompt_where_the_long_prompt_gets_its_tokens_withou
         assert plan.held == [] and plan.long_cap is None
         assert plan.tokens == {"d": 1, "long": 10, "short": 53}
     # still long with more than a step's prefill left, beside a short prompt mid-prefill that would take its share
-    # without a cap: in the step after it was held the long prompt keeps its share (16) as the one cap, which cuts
+    # without a cap: in the step after it was held the long prompt keeps its share (31) as the one cap, which cuts
     # the short prompt too (the price of one cap for every request, paid one step in two)
     longer = RequestView("long", 900, 1000, 1000, 0)
     running_short = RequestView("s", 20, 200, 200, 1)
     plan = decide_step([longer, running_short, decode], [], config, just_held=["long"])
-    assert plan.long_cap == 16 and plan.tokens == {"d": 1, "s": 16, "long": 16}
+    assert plan.long_cap == 31 and plan.tokens == {"d": 1, "s": 31, "long": 31}
     assert decide_step([longer, running_short, decode], [], config).held == ["long"]
 
 
@@ -159,8 +160,8 @@ def test_auto_budget_plans_the_largest_step_within_the_target():
 
 
 def test_under_auto_the_long_share_inside_vllm_is_taken_from_the_cap_not_the_step():
-    # one cap for every request of vLLM's loop: the long prompt keeps min(max_num_batched_tokens // 4, half the
-    # step) beside short prompts that want more, as measured best inside vLLM (see decide_step)
+    # one cap for every request of vLLM's loop: the long prompt keeps half the step's prefill beside short prompts
+    # that want more (a quarter of the step measured worse inside vLLM: docs/results/hol_protection.md)
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.06, budget_safety=1.0, block_size=16,
                              max_num_batched_tokens=2048, max_num_seqs=64)
     budget = TokenBudget(config, PerTokenCost())

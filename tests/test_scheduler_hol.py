@@ -178,8 +178,9 @@ def test_long_prompt_takes_what_short_prompts_leave_and_is_not_throttled_beside_
 
 
 def test_long_prompts_keep_their_share_when_short_prompts_fill_the_budget() -> None:
-    # a quarter of the 64-token chunk (long_share) is the long prompt's cap beside short prompts that need more
-    # than the rest; where they all fit beside it, the long prompt sits the step out instead (never twice running)
+    # half the step's prefill (long_share: 31 of the 63 tokens beside a decode) is the long prompt's cap beside
+    # short prompts that need more than the rest; where they all fit beside it, the long prompt sits the step out
+    # instead (never twice running)
     sched = make("sarathi", chunk_size=64, max_num_seqs=32, hol_protection=True)
     sched.add(req("long", 300))
     step(sched)
@@ -188,8 +189,8 @@ def test_long_prompts_keep_their_share_when_short_prompts_fill_the_budget() -> N
     out = step(sched)
     assert sched.last_decision.held == ["long"] and batch(out) == {"s0": (P, 60), "s1": (P, 4)}
     out = step(sched)  # not held again: it keeps its share, the short prompts the rest
-    assert sched.last_decision.held == [] and sched.last_decision.long_cap == 16
-    assert batch(out)["long"] == (P, 16) and out.num_batched_tokens == 64
+    assert sched.last_decision.held == [] and sched.last_decision.long_cap == 31
+    assert batch(out)["long"] == (P, 31) and out.num_batched_tokens == 64
 
 
 def test_protection_changes_nothing_for_unchunked_policies() -> None:
