@@ -22,14 +22,15 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
-from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
+from sarathi_lite.bench.capacity import SLO, CapacityResult, capacity_searches, search_capacity
+from sarathi_lite.bench.results import BenchResult, Stopped, config_label, configurations, host, run_config
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.engine.config import default_option
 from sarathi_lite.engine.llm_engine import LLMEngine
@@ -141,15 +142,19 @@ def run(workload: Workload, *, policies: Sequence[str] = ("sarathi",), chunk_siz
 
     model, engine_options: as for ``LLMEngine`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ``dtype``,
     ``device``, ...). engine: an already loaded engine to take the weights from (``model`` is then unused).
+    Stopped early (``KeyboardInterrupt``), raises ``Stopped`` with the results of the configurations finished.
     """
-    results = []
+    results: list[BenchResult] = []
     current = engine
     if configs is None:
         configs = configurations(policies, chunk_sizes or [default_option("chunk_size")])
     for policy, chunk in configs:
-        current = build_engine(model, policy, chunk, current, **engine_options)
-        warm_up(current)
-        results.append(replay(current, workload, chunk_size=chunk, progress=progress))
+        try:
+            current = build_engine(model, policy, chunk, current, **engine_options)
+            warm_up(current)
+            results.append(replay(current, workload, chunk_size=chunk, progress=progress))
+        except KeyboardInterrupt:
+            raise Stopped(results, f"{len(results)} of {len(configs)} configurations") from None
         s = results[-1].summary()
         logger.info("%s: %d requests in %.0f s, P99 TBT %.3f s, P50 TTFT %.3f s", results[-1].label,
                     s["num_requests"], results[-1].meta["wall_time"], s["tbt_p99"] or 0.0, s["ttft_p50"] or 0.0)
@@ -175,16 +180,19 @@ def measured_capacity(workload: Workload, slo: SLO, *, policies: Sequence[str] =
     """Serving capacity of each policy (chunked ones at ``chunk_size``, default ``EngineConfig``'s), measured on
     the real engine (``sim.simulator.capacity`` predicts it): ``search_capacity`` over ``[qps_low, qps_high]``
     requests/s, each probe a real-time replay of ``workload.at_qps(qps)`` (the same requests and lengths, Poisson
-    arrivals from the workload's seed scaled to the rate)."""
-    out = []
+    arrivals from the workload's seed scaled to the rate). Stopped early, raises ``Stopped`` with the searches
+    so far (``capacity_searches``)."""
     current = engine
-    for policy in policies:
+
+    def search(policy: str) -> CapacityResult:
+        nonlocal current
         chunk = (chunk_size or default_option("chunk_size")) if policy in CHUNKED_POLICIES else None
         current = build_engine(model, policy, chunk, current, **engine_options)
         warm_up(current)
         probe = _probe(current, workload, chunk, progress)
-        out.append(search_capacity(probe, slo, qps_low, qps_high, num_probes, label=config_label(policy, chunk)))
-    return out
+        return search_capacity(probe, slo, qps_low, qps_high, num_probes, label=config_label(policy, chunk))
+
+    return capacity_searches([partial(search, policy) for policy in policies])
 
 
 def _probe(engine: LLMEngine, workload: Workload, chunk: int | None, progress: bool

@@ -28,6 +28,18 @@ from sarathi_lite.scheduler import CHUNKED_POLICIES, SchedulerConfig
 SCHEMA = "sarathi-lite/bench-result/1"
 
 
+class Stopped(KeyboardInterrupt):
+    """A long run stopped early (Ctrl-C, or SIGTERM under the CLI) carrying what it had finished: ``partial``
+    (the same kind of value the run returns, or raw measurements where nothing whole was finished; ``None`` when
+    nothing was) and ``progress``, how far it got in words (``"3 of 8 configurations"``). A ``KeyboardInterrupt``,
+    so a caller that does not look for partial results stops as before."""
+
+    def __init__(self, partial: Any, progress: str) -> None:
+        super().__init__(progress)
+        self.partial = partial
+        self.progress = progress
+
+
 def config_label(policy: str, chunk_size: int | str | None) -> str:
     """``"sarathi/256"`` for chunked policies; the policy alone for the others (their chunk size is unused)."""
     return f"{policy}/{chunk_size}" if policy in CHUNKED_POLICIES else policy

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sarathi_lite.cli.bench import add_bench_parsers
-from sarathi_lite.cli.common import HelpFormatter
+from sarathi_lite.cli.common import STOPPED, HelpFormatter
 from sarathi_lite.cli.generate import add_generate_parser
 from sarathi_lite.cli.plan import add_plan_parser
 from sarathi_lite.cli.serve import add_serve_parser
@@ -46,11 +49,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    restore = _stop_on_sigterm()
     try:
         return args.func(args)
     except (ValueError, RuntimeError) as e:
         print(f"sarathi-lite: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a command that keeps partial results saves them itself (and returns STOPPED)
+        print("\nsarathi-lite: stopped, with nothing finished to save", file=sys.stderr)
+        return STOPPED
+    finally:
+        restore()
+
+
+def _stop_on_sigterm() -> Callable[[], None]:
+    """SIGTERM stops a command as Ctrl-C does (a ``KeyboardInterrupt``: what it finished is saved, it exits with
+    ``STOPPED``) instead of killing it; returns the function that puts the previous handler back. Only the main
+    thread can set a handler: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

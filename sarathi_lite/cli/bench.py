@@ -20,6 +20,7 @@ import argparse
 import json
 from typing import Any
 
+from sarathi_lite.bench.results import Stopped
 from sarathi_lite.cli.common import (
     add_capacity_args,
     add_engine_args,
@@ -37,6 +38,7 @@ from sarathi_lite.cli.common import (
     save_capacity,
     save_comparison,
     slo_from_args,
+    stopped,
 )
 from sarathi_lite.engine.config import OPTIONS, EngineConfig
 
@@ -60,8 +62,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"workload: {workload.describe()}")
     if args.backend == "openai":
         return _bench_http(args, workload)
-    results = replay.run(workload, policies=policies(args), chunk_sizes=args.chunk_sizes or [config.chunk_size],
-                         model=config.model, progress=not args.no_progress, **_shared_options(config))
+    try:
+        results = replay.run(workload, policies=policies(args),
+                             chunk_sizes=args.chunk_sizes or [config.chunk_size], model=config.model,
+                             progress=not args.no_progress, **_shared_options(config))
+    except Stopped as stop:
+        return stopped(stop.progress, save_comparison(stop.partial, args.out, plot="bench.png" if args.plot else None,
+                                                      stopped_after=stop.progress))
     print(f"\n{results[0].meta['machine']}; load average {results[0].meta['load_average_start'][0]:.2f} at start")
     save_comparison(results, args.out, plot="bench.png" if args.plot else None)
     return 0
@@ -106,9 +113,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     workload = build_workload(args)
     print(f"workload: {workload.describe()} (arrivals re-drawn per probe)")
     slo = slo_from_args(args)
-    found = replay.measured_capacity(workload, slo, policies=policies(args), chunk_size=config.chunk_size,
-                                     qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes,
-                                     model=config.model, progress=not args.no_progress, **_shared_options(config))
+    try:
+        found = replay.measured_capacity(workload, slo, policies=policies(args), chunk_size=config.chunk_size,
+                                         qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes,
+                                         model=config.model, progress=not args.no_progress,
+                                         **_shared_options(config))
+    except Stopped as stop:
+        return stopped(stop.progress, save_capacity(stop.partial, args.out, stopped_after=stop.progress))
     save_capacity(found, args.out)
     return 0
 

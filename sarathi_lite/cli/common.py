@@ -319,33 +319,71 @@ def record_run_files(out_dir: str | Path, paths: Sequence[Path]) -> None:
     Path(out_dir, RUN_FILES).write_text(json.dumps(sorted(Path(p).name for p in paths)))
 
 
-def save_comparison(results: Sequence[BenchResult], out_dir: str | Path | None, *, plot: str | None = None) -> None:
+# The exit status of a command stopped early (Ctrl-C, or SIGTERM), whatever it saved: 128 + SIGINT, as a shell's.
+STOPPED = 130
+# What a run's --out folder holds when the run stopped early: how far it got.
+STOPPED_FILE = "stopped.json"
+
+
+def stopped(progress: str, saved: str) -> int:
+    """Say on stderr that the command stopped early after ``progress`` and what it ``saved`` (where, or why
+    nothing); the command's exit status (``STOPPED``)."""
+    print(f"\nsarathi-lite: stopped after {progress}; partial results: {saved}", file=sys.stderr)
+    return STOPPED
+
+
+def partial_path(path: str | Path) -> Path:
+    """Where a stopped command writes the partial results it would have written to the file ``path``, beside it
+    (``profile.json`` -> ``profile.partial.json``), so a whole result already there stays."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.partial{path.suffix}")
+
+
+def save_comparison(results: Sequence[BenchResult], out_dir: str | Path | None, *, plot: str | None = None,
+                    stopped_after: str = "") -> str:
     """Print ``compare(results)``; with ``out_dir``, write them (``save_results``) and, if ``plot`` names a file,
-    the ``plot_results`` figure into it, a folder holding this run only (``fresh_folder``)."""
+    the ``plot_results`` figure into it, a folder holding this run only (``fresh_folder``). stopped_after: a run
+    stopped early, how far it got (written to the folder's ``stopped.json``). Returns what was saved, in words."""
     print(compare(results))
     if out_dir is None:
-        return
+        return "printed above, not saved (--out DIR saves them)"
     out = fresh_folder(out_dir)
-    paths = save_results(results, out)
-    if plot:
+    paths = save_results(results, out) if results else []
+    if plot and results:
         paths.append(plot_results(results, out / plot))
+    paths += _stopped_note(out, stopped_after)
     record_run_files(out, paths)
-    print(f"wrote {len(paths)} files to {out}" + (f", plot {paths[-1]}" if plot else ""))
+    print(f"wrote {len(paths)} files to {out}" + (f", plot {out / plot}" if plot and results else ""))
+    return f"the {len(results)} finished in {out} (its {STOPPED_FILE} says the run stopped)"
 
 
-def save_capacity(found: Sequence[CapacityResult], out_dir: str | Path | None, *, plot: bool = False) -> None:
+def save_capacity(found: Sequence[CapacityResult], out_dir: str | Path | None, *, plot: bool = False,
+                  stopped_after: str = "") -> str:
     """Print ``capacity_table(found)``; with ``out_dir``, write ``capacity.json`` (and with ``plot``
-    ``capacity.png``) into it, a folder holding this run only (``fresh_folder``)."""
+    ``capacity.png``) into it, a folder holding this run only (``fresh_folder``). stopped_after: a run stopped
+    early, how far it got (a search cut short says so in its ``stopped``, and the folder's ``stopped.json`` says
+    how far the run got). Returns what was saved, in words."""
     print(capacity_table(found))
     if out_dir is None:
-        return
+        return "printed above, not saved (--out DIR saves them)"
     out = fresh_folder(out_dir)
     (out / "capacity.json").write_text(json.dumps([c.to_dict() for c in found], indent=1))
     written = [out / "capacity.json"]
-    if plot:
+    if plot and found:
         written.append(plot_capacity(found, out / "capacity.png"))
-    record_run_files(out, written)
+    record_run_files(out, written + _stopped_note(out, stopped_after))
     print(f"wrote {', '.join(map(str, written))}")
+    return f"the searches so far in {out / 'capacity.json'} (a search cut short has \"stopped\")"
+
+
+def _stopped_note(out: Path, stopped_after: str) -> list[Path]:
+    """For a run stopped early, ``out``'s ``stopped.json`` saying how far it got."""
+    if not stopped_after:
+        return []
+    (out / STOPPED_FILE).write_text(json.dumps({"stopped": stopped_after,
+                                                "partial": "this run stopped early: the results here are those "
+                                                           "it finished"}, indent=1))
+    return [out / STOPPED_FILE]
 
 
 def capacity_table(found: Sequence[CapacityResult]) -> str:
@@ -356,7 +394,8 @@ def capacity_table(found: Sequence[CapacityResult]) -> str:
         fail = "-" if c.failed_above is None else f"{c.failed_above:.3f}"
         probes = ", ".join(f"{p.qps:.3f}{'+' if p.passed else 'x'}: {_ms(p.tbt_p99)}/{_s(p.scheduling_delay_p50)}"
                            for p in c.probes)
-        lines.append(f"{c.label:<14} {cap:>14} {fail:>9}  {probes}")
+        lines.append(f"{c.label:<14} {cap:>14} {fail:>9}  {probes}" + (f" (stopped after {c.stopped})" if c.stopped
+                                                                        else ""))
     lines.append("probes: each rate the search tried, in order, + if it met the SLO and x if not, then the P99 TBT "
                  "(ms) / median scheduling delay (s) it measured there; capacity is the highest rate that met it")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.bench.workload import Workload
-from sarathi_lite.cli.common import add_no_progress_arg, add_old_spelling
+from sarathi_lite.cli.common import add_no_progress_arg, add_old_spelling, stopped
 from sarathi_lite.plan import CHUNK_SIZES, Setup, commands, plan_slos, plot, table
 from sarathi_lite.plan.real import confirm
 from sarathi_lite.plan.report import summary
@@ -70,6 +70,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")
+    if result.stopped:
+        return stopped(result.stopped, f"the ranking above, and in {args.json} (its \"stopped\" says so)"
+                       if args.json else "the ranking above, not saved (--json FILE saves it)")
     return 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_lite.bench.capacity import SLO
-from sarathi_lite.bench.results import BenchResult
+from sarathi_lite.bench.results import BenchResult, Stopped
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.cli.common import (
     SIM_FIELDS,
@@ -26,11 +26,13 @@ from sarathi_lite.cli.common import (
     engine_config,
     engine_options,
     fresh_folder,
+    partial_path,
     policies,
     record_run_files,
     save_capacity,
     save_comparison,
     slo_from_args,
+    stopped,
 )
 from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.engine.config import OPTIONS, SCHEDULER_FIELDS
@@ -87,8 +89,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if real_vllm:
             raise ValueError(f"--capacity does not run {', '.join(real_vllm)} yet: simulate it at given rates")
         return _capacity(args, cost_model, workload, config.chunk_size, options)
-    results = sim.run(workload, cost_model, policies=policies(args),
-                      chunk_sizes=args.chunk_sizes or [config.chunk_size], **options) if args.policies != [] else []
+    try:
+        results = sim.run(workload, cost_model, policies=policies(args),
+                          chunk_sizes=args.chunk_sizes or [config.chunk_size], progress=not args.no_progress,
+                          **options) if args.policies != [] else []
+    except Stopped as stop:
+        print(f"\nsimulated {stop.progress} before it stopped")
+        return stopped(stop.progress, save_comparison(stop.partial, args.out, plot="sim.png" if args.plot else None,
+                                                      stopped_after=stop.progress))
     results += _real_vllm(real_vllm, args, workload, config.chunk_size, options)
     wall = sum(r.meta["wall_time"] for r in results)
     print(f"\nsimulated {len(results)} configuration(s) in {wall:.2f} s")
@@ -116,8 +124,13 @@ def _capacity(args: argparse.Namespace, cost_model: CostModel, workload: Workloa
     if args.tbt_slo is None:
         raise ValueError("--capacity needs --tbt-slo (seconds)")
     slo = slo_from_args(args)
-    found = sim.capacity(workload, cost_model, slo, policies=policies(args), chunk_size=chunk_size,
-                         qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes, **options)
+    try:
+        found = sim.capacity(workload, cost_model, slo, policies=policies(args), chunk_size=chunk_size,
+                             qps_low=args.qps_low, qps_high=args.qps_high, num_probes=args.probes,
+                             progress=not args.no_progress, **options)
+    except Stopped as stop:
+        return stopped(stop.progress, save_capacity(stop.partial, args.out, plot=args.plot,
+                                                    stopped_after=stop.progress))
     save_capacity(found, args.out, plot=args.plot)
     return 0
 
@@ -150,10 +163,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     apply_threads(args)
     options = engine_options(args)
     model = options.pop("model", None)
-    cost = profile(model, quick=args.quick, repeats=args.repeats, max_tokens=args.max_tokens,
-                   max_context=args.max_context, max_decodes=args.max_decodes,
-                   max_step_tokens=args.max_step_tokens, seed=args.seed,
-                   progress=not args.no_progress, **options)
+    try:
+        cost = profile(model, quick=args.quick, repeats=args.repeats, max_tokens=args.max_tokens,
+                       max_context=args.max_context, max_decodes=args.max_decodes,
+                       max_step_tokens=args.max_step_tokens, seed=args.seed,
+                       progress=not args.no_progress, **options)
+    except Stopped as stop:
+        if stop.partial is None:
+            return stopped(stop.progress, "none, nothing was timed yet")
+        path = partial_path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(stop.partial, indent=1))
+        return stopped(stop.progress, f"the raw timings so far in {path}, which is not a cost model (sim "
+                                      f"--cost-model refuses it); {args.out} was not written")
     meta = cost.meta
     print(f"{meta['machine']}; load average {meta['load_average_start'][0]:.2f} at start; "
           f"{meta['grid']['shapes']} batch shapes in {meta['wall_time']:.0f} s")
@@ -182,16 +204,28 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                for chunk in ((args.chunk_sizes or [512]) if policy in CHUNKED_POLICIES else [None])]
     slos = [SLO(t, args.max_scheduling_delay) for t in args.tbt_slos or []]
     capacity = (args.qps_low, args.qps_high, args.probes) if args.capacity else None
-    frame = sweep(workloads, args.cost_models, configs, slos, qps=args.qps_list, capacity=capacity,
-                  backend=args.backend, address=args.address, workers=args.workers, progress=not args.no_progress)
-    out = Path(args.out)
+    try:
+        frame = sweep(workloads, args.cost_models, configs, slos, qps=args.qps_list, capacity=capacity,
+                      backend=args.backend, address=args.address, workers=args.workers,
+                      progress=not args.no_progress)
+    except Stopped as stop:
+        path = _write_sweep(stop.partial, partial_path(args.out))
+        return stopped(stop.progress, f"the {len(stop.partial)} rows of the points finished in {path} ({args.out} "
+                                      f"was not written)")
+    _write_sweep(frame, Path(args.out))
+    return 0
+
+
+def _write_sweep(frame: Any, out: Path) -> Path:
+    """Print the sweep's main columns and write its whole frame to the CSV ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out, index=False)
     shown = [c for c in ("workload", "cost_model", "config", "offered_qps", "tbt_slo", "capacity", "tbt_p99",
                          "ttft_p50", "meets_slo") if c in frame]
-    print(frame[shown].to_string(index=False))
+    if shown:
+        print(frame[shown].to_string(index=False))
     print(f"wrote {len(frame)} rows to {out}")
-    return 0
+    return out
 
 
 def add_sim_parsers(sub: Any) -> None:
@@ -210,6 +244,7 @@ def add_sim_parsers(sub: Any) -> None:
                    help="write the results (JSON, CSV, the plot) to this folder, which then holds this run only "
                         "(default: print only, write nothing)")
     s.add_argument("--plot", action="store_true", help="also write sim.png (capacity.png with --capacity)")
+    add_no_progress_arg(s)
     v = s.add_argument_group("cost model check (--validate)")
     v.add_argument("--validate", nargs="+", default=None, metavar="RUN.json",
                    help="instead: predict every iteration of these real runs (bench result JSON files) and print "

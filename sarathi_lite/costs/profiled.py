@@ -225,6 +225,10 @@ class ProfiledCostModel(CostModel):
         if d.get("schema") != COST_MODEL_SCHEMA or d.get("kind") != "profiled":
             raise ValueError(f"not a {COST_MODEL_SCHEMA} profiled cost model (schema={d.get('schema')!r}, "
                              f"kind={d.get('kind')!r})")
+        if d.get("partial"):
+            raise ValueError(f"a partial profile, stopped after {d['partial']}: it holds the raw timings measured "
+                             f"so far, not a cost model (a grid cut short misses corners at random); run "
+                             f"sarathi-lite profile to the end")
         fields = ("coefficients", "schedule_constant", "schedule_per_request", "step_gap", "kv_bytes_per_token",
                   "kv_cache_memory", "max_position_embeddings", "jitter", "measured", "meta")
         return cls(d["token_knots"], d["token_times"], **{k: d[k] for k in fields if k in d})

@@ -37,7 +37,8 @@ import torch
 from tqdm.auto import tqdm
 
 from sarathi_lite.bench.replay import BatchShape, build_engine, machine, warm_up
-from sarathi_lite.costs.profiled import MEASURED, TERMS, ProfiledCostModel, batch_terms
+from sarathi_lite.bench.results import Stopped
+from sarathi_lite.costs.profiled import COST_MODEL_SCHEMA, MEASURED, TERMS, ProfiledCostModel, batch_terms
 from sarathi_lite.engine.llm_engine import LLMEngine
 from sarathi_lite.engine.sampling_params import SamplingParams
 from sarathi_lite.scheduler import Request, SchedulerConfig, SchedulerOutput, make_scheduler
@@ -158,7 +159,8 @@ def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repea
     ``once_above`` tokens, which lasts seconds, so one run's noise is small against it), timed in ``repeats``
     passes through all of them after one warm-up run of the largest batch (which sizes the attention backend's
     buffers). Passes rather than back-to-back repeats: a slow spell of a shared machine then hits one run of
-    several batches instead of every run of one."""
+    several batches instead of every run of one. Stopped early (``KeyboardInterrupt``), raises ``Stopped`` with
+    the runs so far (per batch, possibly none)."""
     if engine.has_unfinished_requests():
         raise ValueError("profiling needs an idle engine (it writes into the KV pool)")
 
@@ -172,10 +174,13 @@ def time_outputs(engine: LLMEngine, outputs: Sequence[SchedulerOutput], *, repea
              for k in range(repeats)]
     runs: list[list[float]] = [[] for _ in outputs]
     with tqdm(total=sum(map(len, timed)), desc="profile", unit="batch", leave=False, disable=not progress) as bar:
-        for batch in timed:
-            for i in batch:
-                runs[i].append(run(outputs[i]))
-                bar.update(1)
+        try:
+            for batch in timed:
+                for i in batch:
+                    runs[i].append(run(outputs[i]))
+                    bar.update(1)
+        except KeyboardInterrupt:
+            raise Stopped(runs, f"{bar.n} of {bar.total} timed runs") from None
     return runs
 
 
@@ -342,6 +347,8 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
     quick, max_tokens, max_context, max_decodes, max_step_tokens, seed: the grid (``profile_grid``). repeats:
     timed runs per shape (the median counts). engine_options: as for ``LLMEngine`` (``dtype``, ``device``,
     ``block_size``, ``num_kv_blocks``, ...); the simulator later derives the same KV pool from the saved model.
+    Stopped early (``KeyboardInterrupt``) while timing or calibrating, raises ``Stopped`` with the
+    ``partial_profile`` of the timings so far (``None`` if there are none).
     """
     wall = time.perf_counter()
     load_start = os.getloadavg()
@@ -351,18 +358,35 @@ def profile(model: str | Path | None = None, *, quick: bool = False, repeats: in
                           max_step_tokens=max_step_tokens, seed=seed)
     outputs = grid_outputs(engine, shapes, seed)
     terms = [batch_terms(o) for o in outputs]
-    runs = time_outputs(engine, outputs, repeats=repeats, progress=progress)
-    calibration = calibrate(engine, seed=seed)
+    grid = {"shapes": len(shapes), "repeats": repeats, "max_tokens": max_tokens, "max_context": max_context,
+            "max_decodes": max_decodes, "max_step_tokens": max(int(t[0]) for t in terms), "quick": quick,
+            "seed": seed}
+
+    def meta(runs: Sequence[Sequence[float]]) -> dict[str, Any]:
+        return {"model": engine.model_path.name, "dtype": str(engine.dtype).removeprefix("torch."),
+                "device": str(engine.device), "attention_backend": engine.runner.attention_backend,
+                "machine": machine(), "threads": torch.get_num_threads(),
+                "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": list(load_start),
+                "load_average_end": list(os.getloadavg()), "wall_time": time.perf_counter() - wall, "grid": grid,
+                "samples": [{"terms": dict(zip(("tokens", *TERMS), t)), "runs": list(r)}
+                            for t, r in zip(terms, runs) if r]}
+
+    runs: list[list[float]] = []
+    try:
+        runs = time_outputs(engine, outputs, repeats=repeats, progress=progress)
+        calibration = calibrate(engine, seed=seed)
+    except KeyboardInterrupt as stop:
+        runs = stop.partial if isinstance(stop, Stopped) else runs
+        progress_text = stop.progress if isinstance(stop, Stopped) else "all timed runs, calibration stopped"
+        raise Stopped(partial_profile(meta(runs), progress_text) if any(runs) else None, progress_text) from None
     cost, quality = fit_grid(engine, shapes, terms, runs, calibration, max_tokens)
-    cost.meta = {"model": engine.model_path.name, "dtype": str(engine.dtype).removeprefix("torch."),
-                 "device": str(engine.device), "attention_backend": engine.runner.attention_backend,
-                 "machine": machine(), "threads": torch.get_num_threads(),
-                 "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": list(load_start),
-                 "load_average_end": list(os.getloadavg()), "wall_time": time.perf_counter() - wall,
-                 "grid": {"shapes": len(shapes), "repeats": repeats, "max_tokens": max_tokens,
-                          "max_context": max_context, "max_decodes": max_decodes,
-                          "max_step_tokens": int(cost.measured["tokens"]), "quick": quick, "seed": seed},
-                 "fit": quality,
-                 "samples": [{"terms": dict(zip(("tokens", *TERMS), t)), "runs": r} for t, r in zip(terms, runs)]}
+    cost.meta = {**meta(runs), "fit": quality}
     return cost
+
+
+def partial_profile(meta: dict[str, Any], progress: str) -> dict[str, Any]:
+    """What a stopped ``profile`` saves: the raw timings measured so far (``meta["samples"]``) and how far it got,
+    marked ``"partial"``. Not a cost model: ``ProfiledCostModel.load`` refuses it (a grid cut short misses some
+    corners at random, and the host overheads come from the calibration run after the grid)."""
+    return {"schema": COST_MODEL_SCHEMA, "kind": "profiled", "partial": progress, "meta": meta}
 

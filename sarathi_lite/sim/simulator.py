@@ -46,10 +46,11 @@ import datetime
 import time
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
-from sarathi_lite.bench.capacity import SLO, CapacityResult, search_capacity
-from sarathi_lite.bench.results import BenchResult, config_label, configurations, host, run_config
+from sarathi_lite.bench.capacity import SLO, CapacityResult, capacity_searches, search_capacity
+from sarathi_lite.bench.results import BenchResult, Stopped, config_label, configurations, host, run_config
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import CostModel
 from sarathi_lite.costs.pipeline import pipeline_parallel_size, stage_timing
@@ -224,27 +225,49 @@ def bench_result(workload: Workload, cost_model: CostModel, config: SchedulerCon
 
 def run(workload: Workload, cost_model: CostModel, *, policies: Sequence[str] = ("sarathi",),
         chunk_sizes: Sequence[int] | None = None, configs: Sequence[tuple[str, int | None]] | None = None,
-        record_batches: bool = False, **config_options: Any) -> list[BenchResult]:
+        record_batches: bool = False, progress: bool = False, **config_options: Any) -> list[BenchResult]:
     """Simulate ``workload`` under every configuration of ``configurations(policies, chunk_sizes)`` (or the
     ``(policy, chunk_size)`` pairs of ``configs``), in that order; one result each, as ``bench.run``.
-    config_options: as for ``scheduler_config`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ...)."""
+    config_options: as for ``scheduler_config`` (``max_num_seqs``, ``block_size``, ``num_kv_blocks``, ...).
+    progress: a progress bar over the configurations. Stopped early (``KeyboardInterrupt``), raises ``Stopped``
+    with the results of the configurations finished."""
     pairs = configs if configs is not None else configurations(policies,
                                                                chunk_sizes or [default_option("chunk_size")])
-    return [simulate(workload, cost_model, scheduler_config(cost_model, policy, chunk, **config_options),
-                     chunk_size=chunk, record_batches=record_batches) for policy, chunk in pairs]
+    results: list[BenchResult] = []
+    with _bar(len(pairs), "configuration", progress) as bar:
+        for policy, chunk in pairs:
+            try:
+                results.append(simulate(workload, cost_model, scheduler_config(cost_model, policy, chunk,
+                                                                               **config_options),
+                                        chunk_size=chunk, record_batches=record_batches))
+            except KeyboardInterrupt:
+                raise Stopped(results, f"{len(results)} of {len(pairs)} configurations") from None
+            bar.update(1)
+    return results
 
 
 def capacity(workload: Workload, cost_model: CostModel, slo: SLO, *, policies: Sequence[str] = ("sarathi", "vllm"),
              chunk_size: int | str | None = None, qps_low: float, qps_high: float, num_probes: int = 8,
-             **config_options: Any) -> list[CapacityResult]:
+             progress: bool = False, **config_options: Any) -> list[CapacityResult]:
     """Serving capacity of each policy (chunked ones at ``chunk_size``), simulated (``bench.replay.measured_capacity``
     measures it on the real engine): ``search_capacity`` over ``[qps_low, qps_high]`` requests/s, each probe
-    ``workload.at_qps(qps)``."""
-    found = []
-    for policy in policies:
-        chunk = (chunk_size or default_option("chunk_size")) if policy in CHUNKED_POLICIES else None
-        config = scheduler_config(cost_model, policy, chunk, **config_options)
-        found.append(search_capacity(lambda qps, c=config, k=chunk: simulate(workload.at_qps(qps), cost_model, c,
-                                                                            chunk_size=k),
-                                     slo, qps_low, qps_high, num_probes, label=config_label(policy, chunk)))
-    return found
+    ``workload.at_qps(qps)``. progress: a progress bar over the probes (at most ``num_probes`` per policy).
+    Stopped early, raises ``Stopped`` with the searches so far (``capacity_searches``)."""
+    with _bar(len(policies) * num_probes, "probe", progress) as bar:
+        def search(policy: str) -> CapacityResult:
+            chunk = (chunk_size or default_option("chunk_size")) if policy in CHUNKED_POLICIES else None
+            config = scheduler_config(cost_model, policy, chunk, **config_options)
+            found = search_capacity(lambda qps: simulate(workload.at_qps(qps), cost_model, config, chunk_size=chunk),
+                                    slo, qps_low, qps_high, num_probes, label=config_label(policy, chunk),
+                                    on_probe=lambda _: bar.update(1))
+            bar.update(num_probes - len(found.probes))  # a search that ends early leaves its other probes undone
+            return found
+
+        return capacity_searches([partial(search, policy) for policy in policies])
+
+
+def _bar(total: int, unit: str, enabled: bool) -> Any:
+    """A tqdm progress bar over ``total`` ``unit``s (disabled unless ``enabled``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="sim", unit=unit, leave=False, disable=not enabled)

@@ -38,7 +38,7 @@ from functools import lru_cache
 from typing import Any
 
 from sarathi_lite.bench.capacity import SLO, search_capacity
-from sarathi_lite.bench.results import config_label
+from sarathi_lite.bench.results import Stopped, config_label
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import CostModel, load_cost_model
 from sarathi_lite.sim.simulator import scheduler_config, simulate
@@ -161,7 +161,8 @@ def sweep(workloads: Mapping[str, Workload] | Sequence[Workload], cost_models: M
     runs. backend: ``"process"`` (default), ``"serial"`` or ``"ray"`` (default when ``address`` is given).
     workers: processes of the pool (default: CPU count). ray_options: more ``ray.init`` keywords (e.g.
     ``{"local_mode": True}``, ``{"num_cpus": 2}``). progress: a tqdm bar over finished tasks.
-    Raises ``ValueError`` for an unknown backend or an empty dimension.
+    Raises ``ValueError`` for an unknown backend or an empty dimension; stopped early (``KeyboardInterrupt``),
+    ``Stopped`` with the frame of the points finished.
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -172,9 +173,13 @@ def sweep(workloads: Mapping[str, Workload] | Sequence[Workload], cost_models: M
     todo = tasks(workloads, cost_models, configs, slos, qps=qps, capacity=capacity)
     rows: dict[int, dict[str, Any]] = {}
     with tqdm(total=len(todo), desc="sweep", unit="point", disable=not progress) as bar:
-        for done in _execute(todo, backend, address, workers, ray_options or {}):
-            rows.update(done)
-            bar.update(1)
+        try:
+            for done in _execute(todo, backend, address, workers, ray_options or {}):
+                rows.update(done)
+                bar.update(1)
+        except KeyboardInterrupt:
+            raise Stopped(pd.DataFrame([rows[i] for i in sorted(rows)]),
+                          f"{bar.n} of {len(todo)} points") from None
     return pd.DataFrame([rows[i] for i in sorted(rows)])
 
 
@@ -215,7 +220,10 @@ def _execute(todo: list[Any], backend: str, address: str | None, workers: int | 
 
 
 def _ignore_interrupts() -> None:
+    """A pool worker's signals: Ctrl-C is the caller's alone, and SIGTERM (how the caller stops the pool) ends the
+    worker at once, whatever handler the caller installed before the pool forked it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _ray(todo: list[Any], address: str | None, ray_options: Mapping[str, Any], fn: Callable[[Any], Any]
