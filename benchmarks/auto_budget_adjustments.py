@@ -21,7 +21,8 @@ and its row says ``identical``. Each search covers ``--range`` times the stored 
 (``benchmarks/results/auto_budget_*_p99.json``) with ``--probes`` simulations: resolution ``(high - low) /
 2 ** (probes - 2)``; a capacity under the range is reported as 0. ``--at`` runs no search: one simulation per
 variant at given fractions of the stored capacity (whether each meets the SLO there), for cells too slow to
-search on a busy machine.
+search on a busy machine. ``--predictor-scale`` gives the budget a predictor off the clock by a constant factor,
+the case the correction is for (in every cell above the predictor is the clock's own model).
 
     python benchmarks/auto_budget_adjustments.py --cells smollm2-cpu-350ms:conversation --probes 7 \
         --range 0.8,1.2 --out benchmarks/results/auto_budget_adjustments_cpu.json
@@ -44,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from auto_budget import SETUPS, gaps_over, workload  # noqa: E402
 
-from sarathi_lite.bench.capacity import SLO  # noqa: E402
-from sarathi_lite.bench.results import commit, host  # noqa: E402
+from sarathi_lite.bench.capacity import SLO, search_capacity  # noqa: E402
+from sarathi_lite.bench.results import BenchResult, commit, host  # noqa: E402
 from sarathi_lite.costs import load_cost_model  # noqa: E402
 from sarathi_lite.scheduler import base, budget  # noqa: E402
 from sarathi_lite.sim import simulator as sim  # noqa: E402
@@ -122,8 +123,18 @@ def best_fixed(setup: str, trace: str) -> tuple[int, float]:
     return row["best_fixed"], row["capacity"][str(row["best_fixed"])]
 
 
+class Scaled:
+    """A predictor ``scale`` times ``cost``'s: a model profiled on a machine of another speed than the clock."""
+
+    def __init__(self, cost: Any, scale: float) -> None:
+        self.cost, self.scale = cost, scale
+
+    def predict_step_time(self, out: Any) -> float:
+        return self.scale * self.cost.predict_step_time(out)
+
+
 def run_cell(cell: str, variant: str, probes: int, rate_range: tuple[float, float],
-             at: tuple[float, ...] = ()) -> dict[str, Any]:
+             at: tuple[float, ...] = (), predictor_scale: float = 1.0) -> dict[str, Any]:
     setup_name, trace = cell.split(":")
     setup = SETUPS[setup_name]
     cost, wl = load_cost_model(setup.cost_model), workload(setup, trace)
@@ -134,16 +145,21 @@ def run_cell(cell: str, variant: str, probes: int, rate_range: tuple[float, floa
     base.TokenBudget = without(variant)
     ACTIVE.update(dict.fromkeys(VARIANTS[1:], False))
     t0 = time.perf_counter()
+    config = sim.scheduler_config(cost, "sarathi", "auto", **options)
+    predictor = None if predictor_scale == 1.0 else Scaled(cost, predictor_scale)
+
+    def run(qps: float) -> BenchResult:
+        return sim.simulate(wl.at_qps(qps), cost, config, chunk_size="auto", predictor=predictor)
+
     try:
         if at:  # one simulation per rate, no search
-            config = sim.scheduler_config(cost, "sarathi", "auto", **options)
-            runs = {known * f: sim.simulate(wl.at_qps(known * f), cost, config, chunk_size="auto") for f in at}
+            runs = {known * f: run(known * f) for f in at}
         else:
-            [found] = sim.capacity(wl, cost, SLO(setup.tbt_slo), policies=["sarathi"], chunk_size="auto",
-                                   qps_low=low, qps_high=high, num_probes=probes, **options)
+            found = search_capacity(run, SLO(setup.tbt_slo), low, high, probes, label="sarathi/auto")
     finally:
         base.TokenBudget = budget.TokenBudget
-    row: dict[str, Any] = {"cell": cell, "variant": variant, "slo_tbt_p99": setup.tbt_slo}
+    row: dict[str, Any] = {"cell": cell, "variant": variant, "slo_tbt_p99": setup.tbt_slo,
+                           "predictor_scale": predictor_scale}
     if variant == "all":
         row["active"] = dict(ACTIVE)
     if at:
@@ -163,26 +179,32 @@ def run_cell(cell: str, variant: str, probes: int, rate_range: tuple[float, floa
     return row
 
 
+def at_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'cell':<34} {'variant':<19} {'req/s':>7} {'P99 TBT ms':>10} {'delay p50 s':>11} {'meets SLO':>9}"]
+    for r in rows:
+        for a in r["at"]:
+            lines.append(f"{r['cell']:<34} {r['variant']:<19} {a['qps']:>7.3f} {1000 * a['tbt_p99']:>10.2f} "
+                         f"{a['scheduling_delay_p50']:>11.3f} {str(a['passed']):>9}"
+                         + ("  identical (never active)" if r.get("identical") else ""))
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    if any("at" in r for r in rows):
-        lines = [f"{'cell':<34} {'variant':<19} {'req/s':>7} {'P99 TBT ms':>10} {'delay p50 s':>11} {'meets SLO':>9}"]
-        for r in rows:
-            for a in r.get("at", []):
-                lines.append(f"{r['cell']:<34} {r['variant']:<19} {a['qps']:>7.3f} {1000 * a['tbt_p99']:>10.2f} "
-                             f"{a['scheduling_delay_p50']:>11.3f} {str(a['passed']):>9}"
-                             + ("  identical (never active)" if r.get("identical") else ""))
-        return "\n".join(lines)
+    single = [r for r in rows if "at" in r]
+    rows = [r for r in rows if "at" not in r]
     lines = [f"{'cell':<34} {'variant':<19} {'capacity':>8} {'vs all':>7} {'vs best fixed':>18} {'gaps>SLO':>8}"]
     for r in rows:
-        ref = next((a["capacity"] for a in rows if a["cell"] == r["cell"] and a["variant"] == "all"), None)
+        ref = next((a["capacity"] for a in rows if a["cell"] == r["cell"] and a["variant"] == "all"
+                    and a.get("predictor_scale") == r.get("predictor_scale")), None)
         cap = r["capacity"] or 0.0
         vs_all = f"{cap / ref:.3f}x" if ref else "-"
         fixed = best_fixed(*r["cell"].split(":"))
         vs_fixed = f"{cap / fixed[1]:.3f}x of {fixed[0]}" if fixed[1] else "-"
         gaps = f"{100 * r['gaps_over_slo']:.2f}%" if "gaps_over_slo" in r else "-"
         lines.append(f"{r['cell']:<34} {r['variant']:<19} {cap:>8.3f} {vs_all:>7} {vs_fixed:>18} {gaps:>8}"
-                     + ("  identical (never active)" if r.get("identical") else ""))
-    return "\n".join(lines)
+                     + ("  identical (never active)" if r.get("identical") else "")
+                     + (f"  predictor x{r['predictor_scale']:g}" if r.get("predictor_scale", 1.0) != 1.0 else ""))
+    return "\n".join(lines) + ("\n\n" + at_table(single) if single else "")
 
 
 def main() -> None:
@@ -195,6 +217,9 @@ def main() -> None:
     ap.add_argument("--at", type=lambda t: tuple(float(x) for x in t.split(",")), default=(),
                     help="no search: one simulation per variant at each of these fractions of the stored auto "
                          "capacity (for cells too slow to search on a busy machine)")
+    ap.add_argument("--predictor-scale", type=float, default=1.0,
+                    help="the budget's predictor is this times the clock's cost model (0.67: a profile from a "
+                         "machine 1.5x faster than the one simulated; what the correction is for)")
     ap.add_argument("--merge", type=Path, nargs="*", default=[],
                     help="earlier outputs of this script whose rows join this run's (for runs split in parts)")
     ap.add_argument("--out", type=Path, default=RESULTS / "auto_budget_adjustments.json")
@@ -202,13 +227,13 @@ def main() -> None:
     load = os.getloadavg()
     rows = []
     for cell in filter(None, args.cells.split(",")):
-        reference = run_cell(cell, "all", args.probes, args.range, args.at)
+        reference = run_cell(cell, "all", args.probes, args.range, args.at, args.predictor_scale)
         rows.append(reference)
         for variant in args.variants.split(","):
             if variant == "all":
                 continue
             if reference["active"][variant]:
-                rows.append(run_cell(cell, variant, args.probes, args.range, args.at))
+                rows.append(run_cell(cell, variant, args.probes, args.range, args.at, args.predictor_scale))
             else:  # the same deterministic runs, step by step
                 rows.append({**reference, "variant": variant, "identical": True, "wall_s": 0.0})
                 del rows[-1]["active"]
