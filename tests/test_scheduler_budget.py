@@ -358,7 +358,7 @@ def test_with_128_token_blocks_the_budget_sizes_steps_in_16_token_grains_not_who
     config = SchedulerConfig(chunk_size="auto", tbt_slo=0.05, budget_safety=1.0, block_size=128,
                              max_num_batched_tokens=2048, enable_prefix_caching=False, min_chunk_size=20)
     budget = TokenBudget(config, cost)
-    assert budget.grain == 16 and budget.grain * budget.min_grains == 32
+    assert budget.grain == 16 and budget.min_prefill == 32
     prompt = Request("p", [5] * 4000, 4)
     out = SchedulerOutput()
     for i in range(5):

@@ -192,7 +192,7 @@ def test_auto_keeps_each_predicted_step_within_its_target(models, cost_model):
     name = register("sarathi-test-auto", chunk_size="auto", tbt_slo=0.03, cost_model=cost_model, min_chunk_size=16)
     _, scheduler = generate(models["llama"], _prompts(3, 320, LENGTHS), _config(name, num_blocks=128))
     budget = scheduler.token_budget
-    min_prefill = budget.min_grains * budget.grain
+    min_prefill = budget.min_prefill
     planned = [s for s in scheduler.step_log if s["predicted"] is not None and s["planned"]]
     assert planned
     for step in planned:

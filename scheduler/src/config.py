@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from .registry import chunked_policy_names, is_chunked, policy_class
 
@@ -21,6 +22,12 @@ steps scatter around any model of them, so the budget sizes them by their measur
 time (docs/results/auto_budget.md)."""
 
 
+def option(default: Any, text: str) -> Any:
+    """A dataclass field with its ``default`` and its one description, ``text`` (its ``help``, which the CLI's
+    ``--help`` shows)."""
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """What the scheduler may put in one step and how much KV memory it manages, validated on construction.
@@ -29,57 +36,42 @@ class SchedulerConfig:
     it; docs/design/scheduler.md explains how they work together.
     """
 
-    policy: str = field(default="sarathi", metadata={
-        "help": "the batching policy"})
-    chunk_size: int | str = field(default=DEFAULT_CHUNK_SIZE, metadata={
-        "help": "token budget per iteration of the chunked policies (sarathi, simple_chunking), or auto: each "
-                "iteration's budget chosen so the step cost_model predicts fits tbt_slo"})
-    max_num_seqs: int = field(default=128, metadata={
-        "help": "most requests running (holding KV blocks) at once"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={
-        "help": "token budget per iteration of the unchunked policies (default: max(max_model_len, 2048))"})
-    max_model_len: int | None = field(default=4096, metadata={
-        "help": "longest request (tokens; an engine sets it from the model and its KV pool)"})
-    block_size: int = field(default=16, metadata={
-        "help": "tokens per KV block"})
-    num_blocks: int | None = field(default=None, metadata={
-        "help": "blocks in the KV pool (an engine sets it from num_kv_blocks or its KV memory)"})
-    watermark: float = field(default=0.01, metadata={
-        "help": "fraction of the KV pool kept free when admitting a request while others run"})
-    long_prefill_token_threshold: int | None = field(default=None, metadata={
-        "help": "prompts of more tokens than this are long: with hol_protection, short prompts go before them "
-                "(default: 4 x chunk_size, or 2048 with chunk_size auto); without it, no request gets more tokens "
-                "than this in one step (default: no cap)"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "reuse the KV blocks of prompt prefixes other requests computed (greedy outputs are the same either "
-                "way)"})
-    hol_protection: bool = field(default=True, metadata={
-        "help": "head-of-line protection (chunked policies): while a long prompt is mid-prefill beside a short one, "
-                "short prompts go first and the long ones keep a share of the step; steps with no short prompt "
-                "beside a long one are scheduled as without it. Off: the Sarathi-Serve paper's first-come-first-"
-                "served filling"})
-    tbt_slo: float | None = field(default=None, metadata={
-        "help": "with chunk_size auto: the time-between-tokens target of every iteration (seconds)"})
-    tbt_percentile: float | None = field(default=DEFAULT_TBT_PERCENTILE, metadata={
-        "help": "with chunk_size auto: the percentile of time between tokens that tbt_slo bounds (99: P99); the "
-                "budget's target follows the measured steps' percentile to just under tbt_slo (None: a fixed "
-                "target, tbt_slo x budget_safety)"})
-    budget_safety: float = field(default=0.9, metadata={
-        "help": "with chunk_size auto: the fraction of tbt_slo a predicted step may take until steps are measured "
-                "(with tbt_percentile None, always: room for the step-to-step spread)"})
-    min_chunk_size: int = field(default=32, metadata={
-        "help": "with chunk_size auto: prefill tokens granted every iteration a prompt waits, even past tbt_slo (so "
-                "prompts never starve)"})
-    max_concurrent_batches: int = field(default=1, metadata={
-        "help": "most batches in flight at once (pipeline stages, async scheduling); a request is in at most one of "
-                "them"})
-    balance_micro_batches: bool = field(default=True, metadata={
-        "help": "with batches in flight (pipeline stages): a batch takes at most 1/max_concurrent_batches of the "
-                "running decodes, so micro-batches share them evenly instead of one taking all"})
-    async_scheduling: bool = field(default=False, metadata={
-        "help": "overlap the CPU's scheduling of step N+1 and the processing of step N-1's outputs with step N's "
-                "forward pass (a decode is scheduled before its input token is sampled)"})
-
+    policy: str = option("sarathi", "the batching policy")
+    chunk_size: int | str = option(DEFAULT_CHUNK_SIZE, "token budget per iteration of the chunked policies (sarathi, "
+        "simple_chunking), or auto: each iteration's budget chosen so the step cost_model predicts fits tbt_slo")
+    max_num_seqs: int = option(128, "most requests running (holding KV blocks) at once")
+    max_num_batched_tokens: int | None = option(None, "token budget per iteration of the unchunked policies (default: "
+        "max(max_model_len, 2048))")
+    max_model_len: int | None = option(4096, "longest request (tokens; an engine sets it from the model and its KV "
+        "pool)")
+    block_size: int = option(16, "tokens per KV block")
+    num_blocks: int | None = option(None, "blocks in the KV pool (an engine sets it from num_kv_blocks or its KV "
+        "memory)")
+    watermark: float = option(0.01, "fraction of the KV pool kept free when admitting a request while others run")
+    long_prefill_token_threshold: int | None = option(None, "prompts of more tokens than this are long: with "
+        "hol_protection, short prompts go before them (default: 4 x chunk_size, or 2048 with chunk_size auto); "
+        "without it, no request gets more tokens than this in one step (default: no cap)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes other requests computed "
+        "(greedy outputs are the same either way)")
+    hol_protection: bool = option(True, "head-of-line protection (chunked policies): while a long prompt is "
+        "mid-prefill beside a short one, short prompts go first and the long ones keep a share of the step; steps "
+        "with no short prompt beside a long one are scheduled as without it. Off: the Sarathi-Serve paper's "
+        "first-come-first-served filling")
+    tbt_slo: float | None = option(None, "with chunk_size auto: the time-between-tokens target of every iteration "
+        "(seconds)")
+    tbt_percentile: float | None = option(DEFAULT_TBT_PERCENTILE, "with chunk_size auto: the percentile of time "
+        "between tokens that tbt_slo bounds (99: P99); the budget's target follows the measured steps' percentile to "
+        "just under tbt_slo (None: a fixed target, tbt_slo x budget_safety)")
+    budget_safety: float = option(0.9, "with chunk_size auto: the fraction of tbt_slo a predicted step may take until "
+        "steps are measured (with tbt_percentile None, always: room for the step-to-step spread)")
+    min_chunk_size: int = option(32, "with chunk_size auto: prefill tokens granted every iteration a prompt waits, "
+        "even past tbt_slo (so prompts never starve)")
+    max_concurrent_batches: int = option(1, "most batches in flight at once (pipeline stages, async scheduling); a "
+        "request is in at most one of them")
+    balance_micro_batches: bool = option(True, "with batches in flight (pipeline stages): a batch takes at most "
+        "1/max_concurrent_batches of the running decodes, so micro-batches share them evenly instead of one taking all")
+    async_scheduling: bool = option(False, "overlap the CPU's scheduling of step N+1 and the processing of step N-1's "
+        "outputs with step N's forward pass (a decode is scheduled before its input token is sampled)")
     def __post_init__(self) -> None:
         policy_class(self.policy)  # raises ValueError naming the registered policies
         if self.chunk_size != "auto":

@@ -112,7 +112,7 @@ def test_tiny_model_with_preemption_and_auto_budget_equals_default(tiny_referenc
 def test_auto_keeps_each_predicted_step_within_its_target(tiny_plugin):
     sched = scheduler_of(tiny_plugin)
     budget = sched.budget
-    min_prefill = budget.min_grains * budget.grain  # min_chunk_size in whole grains
+    min_prefill = budget.min_prefill  # min_chunk_size in whole grains
     planned = [s for s in sched.step_log if s["predicted"] is not None and s["planned"]]
     assert planned
     for step in planned:
