@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from sarathi_lite.bench.capacity import SLO
-from sarathi_lite.bench.results import BenchResult, host, save_results
+from sarathi_lite.bench.results import BenchResult, commit, host, save_results
 from sarathi_lite.bench.workload import Workload
 from sarathi_lite.costs import load_cost_model
 from sarathi_lite.sim import simulator as sim
@@ -335,7 +335,7 @@ def main() -> None:
     command = "python benchmarks/hol_protection.py " + " ".join(sys.argv[1:])
     parts, real_parts = args.parts.split(","), args.real_parts.split(",")
     report: dict[str, Any] = {"command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                              "machine": host(), "loadavg": os.getloadavg()}
+                              "commit": commit(), "machine": host(), "loadavg": os.getloadavg()}
     if "long" in parts:
         report["simulated"] = simulated(args)
     if "ordinary" in parts:

@@ -213,11 +213,14 @@ def decide_step(running: Sequence[View], waiting: Sequence[View], config: Schedu
 
         longs = [v for v in prefills if is_long(v)]
         shorts = [v for v in prefills if not is_long(v)]
-        prefills = shorts + longs
         waiting_shorts = list(islice((v for v in waiting if not is_long(v)), seats))
-        if not longs and len(waiting_shorts) < seats:
-            waiting_longs = list(islice((v for v in waiting if is_long(v)), 1))
-        waiting_order = [*waiting_shorts, *waiting_longs]
+        if shorts or waiting_shorts:
+            prefills = shorts + longs
+            if not longs and len(waiting_shorts) < seats:
+                waiting_longs = list(islice((v for v in waiting if is_long(v)), 1))
+            waiting_order = [*waiting_shorts, *waiting_longs]
+        else:  # every prompt the step may run is long: no short prompt to protect, the step is the plain one
+            threshold, longs = None, []
     protecting = bool(longs and (shorts or waiting_shorts))
     holdable = protecting and not any(v.request_id in just_held for v in longs)
     seated = [*waiting_shorts, *waiting_longs] if threshold is not None else waiting_order
