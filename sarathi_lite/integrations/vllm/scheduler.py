@@ -16,14 +16,24 @@ vLLM's own fill loop through the settings it reads at the top of every step:
   before it gives a running request tokens. Where vLLM's free KV blocks cannot take the first prompt such a step
   admits, the step would hold nothing: the plan's fallback (the capped step) is applied instead.
 
-All are put back after the step, so vLLM's configuration is unchanged between steps. With
-``policy="vllm_v1"`` nothing is changed and the steps are only logged. Every step appends a record to
-``step_log`` (bounded in memory; also a JSON-lines file with the ``step_log`` option): the plan and what vLLM
-scheduled, so tests and benchmarks can check each claim against what really ran.
+All are put back after the step, so vLLM's configuration is unchanged between steps. With ``policy="vllm_v1"``
+nothing is changed and the steps are only logged. Every step appends a record to ``step_log`` (bounded in memory;
+also a JSON-lines file with the ``step_log`` option): the plan and what vLLM scheduled (the draft tokens of each
+decode under ``drafts``), so tests and benchmarks can check each claim against what really ran.
+
+Speculative decoding: a running decode with draft tokens (vLLM's ``request.spec_token_ids``: the drafter's
+proposals, or their placeholders under async scheduling) needs ``1 + drafts`` tokens, which vLLM's fill loop gives
+it in one piece. The decision sees such a request as a decode and each draft token as one more decode at the next
+position (``_views``), so the drafts take their place in the step's token budget beside the decodes (the prefill
+tokens are what the decodes and their drafts leave), hold no seat, and are priced by the ``"auto"`` budget's cost
+model as decode tokens of their request (``DraftsAsDecodeTokens``: one row of ``1 + drafts`` query tokens over
+the request's context, the way the step runs them). Drafts beyond the step's per-request cap (a long prompt's
+share under head-of-line protection) are dropped by vLLM's fill loop, as under its own threshold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -47,11 +57,56 @@ STEP_LOG_LENGTH = 100_000
 """Step records kept in memory (the oldest are dropped)."""
 
 
-def _view(request: Any) -> RequestView:
-    """A vLLM ``Request`` as the decision sees it (tokens in flight under async scheduling count as known)."""
-    return RequestView(request.request_id, request.num_computed_tokens,
-                       request.num_tokens_with_spec + request.num_output_placeholders, request.num_prompt_tokens,
-                       request.arrival_time)
+def _views(request: Any, max_model_len: int) -> list[RequestView]:
+    """A vLLM ``Request`` as the decision sees it (tokens in flight under async scheduling count as known): its own
+    view, and for a decode with draft tokens one decode view per draft token vLLM would schedule (at most
+    ``max_model_len`` positions, as vLLM caps them), each at its position, with id ``(request_id, i)``."""
+    computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
+    known = request.num_tokens_with_spec + placeholders
+    drafts = len(request.spec_token_ids)
+    if not drafts or request.num_tokens + placeholders - computed != 1:  # a prompt's drafts (none in vLLM) stay in
+        return [RequestView(request.request_id, computed, known, request.num_prompt_tokens, request.arrival_time)]
+    drafts = max(min(drafts, max_model_len - computed - 2), 0)
+    return [RequestView(request.request_id, computed, computed + 1, request.num_prompt_tokens, request.arrival_time),
+            *(RequestView((request.request_id, i), computed + 1 + i, computed + 2 + i, request.num_prompt_tokens,
+                          request.arrival_time) for i in range(drafts))]
+
+
+def _owner(request_id: Any) -> str:
+    """The request a view id belongs to (a draft token's id is ``(request_id, i)``)."""
+    return request_id[0] if isinstance(request_id, tuple) else request_id
+
+
+def _per_request(tokens: dict[Any, int]) -> dict[str, int]:
+    """Planned tokens by view id folded into tokens by request (a decode's drafts added to it)."""
+    out: dict[str, int] = {}
+    for rid, n in tokens.items():
+        out[_owner(rid)] = out.get(_owner(rid), 0) + n
+    return out
+
+
+class DraftsAsDecodeTokens:
+    """A step-time predictor that prices a decode's draft tokens as decode tokens of that request: ``predictor``
+    (any ``predict_step_time(SchedulerOutput)``) asked about the step with the draft views' one-token rows folded
+    into their request's row (``1 + drafts`` query tokens over the request's context: its K/V read once, as the
+    step runs them, not once per draft)."""
+
+    def __init__(self, predictor: Any) -> None:
+        self.predictor = predictor
+
+    def predict_step_time(self, out: SchedulerOutput) -> float:
+        if not any(isinstance(s.request_id, tuple) for s in out.scheduled):
+            return self.predictor.predict_step_time(out)
+        drafts: dict[str, int] = {}
+        for s in out.scheduled:
+            if isinstance(s.request_id, tuple):
+                drafts[s.request_id[0]] = drafts.get(s.request_id[0], 0) + s.num_new_tokens
+        folded = dataclasses.replace(out, scheduled=[], num_prefill_tokens=0, num_decode_tokens=0, num_prefills=0,
+                                     num_decodes=0)
+        for s in out.scheduled:
+            if not isinstance(s.request_id, tuple):
+                folded.add(dataclasses.replace(s, num_new_tokens=s.num_new_tokens + drafts.get(s.request_id, 0)))
+        return self.predictor.predict_step_time(folded)
 
 
 class SarathiScheduler(AsyncScheduler):
@@ -65,7 +120,8 @@ class SarathiScheduler(AsyncScheduler):
             raise ValueError(f"sarathi_lite's scheduler orders requests itself: use vLLM's scheduling policy "
                              f"'fcfs', not {self.scheduler_config.policy!r}")
         config = self.options.config
-        self.budget = TokenBudget(config, self.options.cost_model) if config.auto_budget else None
+        self.budget = TokenBudget(config, DraftsAsDecodeTokens(self.options.cost_model)) \
+            if config.auto_budget else None
         self.policy = make_policy(config, self.budget)
         self.step_log: deque[dict[str, Any]] = deque(maxlen=STEP_LOG_LENGTH)
         self._log_file = self.options.step_log.open("a", encoding="utf-8") if self.options.step_log else None
@@ -78,14 +134,16 @@ class SarathiScheduler(AsyncScheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
+        length = self.max_model_len
+        running = [v for r in self.running for v in _views(r, length)]
+        decodes = [v.request_id for v in running if v.is_decode and isinstance(v.request_id, str)]
         if self.options.policy == "vllm_v1":
-            decodes = [r.request_id for r in self.running if _view(r).is_decode]
             output = super().schedule(*args, **kwargs)
             self._record(output, decodes, None, started)
             return output
-        running = [_view(r) for r in self.running]
-        waiting = [_view(r) for r in self.waiting]
-        plan = self._runnable(self.policy.decide(running, waiting))
+        waiting = [v for r in self.waiting for v in _views(r, length)]
+        drafts = len(running) - len(self.running)  # draft tokens hold no seat
+        plan = self._runnable(self.policy.decide(running, waiting, -drafts))
         self._reorder(plan)
         sched = self.scheduler_config
         threshold, max_tokens = sched.long_prefill_token_threshold, self.max_num_scheduled_tokens
@@ -112,7 +170,6 @@ class SarathiScheduler(AsyncScheduler):
             for r, eligible, skip in held:
                 if r.next_decode_eligible_step == skip:  # unless vLLM set it since
                     r.next_decode_eligible_step = eligible
-        decodes = [v.request_id for v in running if v.is_decode]
         self.policy.stepped(bool(set(output.num_scheduled_tokens) - set(decodes)))
         self._record(output, decodes, plan, started)
         return output
@@ -123,7 +180,7 @@ class SarathiScheduler(AsyncScheduler):
         if not plan.held or plan.fallback is None:
             return plan
         held = set(plan.held)
-        if any(rid in plan.tokens for rid in plan.running if rid not in held):
+        if any(rid in plan.tokens for rid in plan.running if _owner(rid) not in held):
             return plan
         first = next((rid for rid in plan.waiting if rid in plan.tokens), None)
         if first is None:
@@ -133,7 +190,7 @@ class SarathiScheduler(AsyncScheduler):
 
     def _reorder(self, plan: Any) -> None:
         """Put ``self.running`` and ``self.waiting`` in the plan's order (in place: vLLM holds references)."""
-        rank = {rid: i for i, rid in enumerate(plan.running)}
+        rank = {rid: i for i, rid in enumerate(plan.running) if isinstance(rid, str)}
         self.running.sort(key=lambda r: rank[r.request_id])
         if len(self.waiting) > 1:  # the plan names the prompts it may admit; the rest keep their order behind
             order = {rid: i for i, rid in enumerate(plan.waiting)}
@@ -158,7 +215,8 @@ class SarathiScheduler(AsyncScheduler):
             "token_budget": plan.token_budget if plan else self.max_num_scheduled_tokens,
             "long_cap": plan.long_cap if plan else None,
             "held": plan.held if plan else [],
-            "planned": plan.tokens if plan else None,
+            "planned": _per_request(plan.tokens) if plan else None,
+            "drafts": {rid: len(tokens) for rid, tokens in (output.scheduled_spec_decode_tokens or {}).items()},
             "predicted": plan.predicted_step_time if plan else None,
             "measured": None,
             "gap": None,
