@@ -133,6 +133,9 @@ class Harness:
         self.vllm_config = VllmConfig(scheduler_config=sched, model_config=model_config, cache_config=cache,
                                       device_config=DeviceConfig(device="cpu"), additional_config=additional,
                                       speculative_config=spec)
+        # vLLM's CPU platform turns async scheduling off (0.32 has only a CPU build here): the scheduler code runs
+        # as the release's GPU build runs it, which a scheduler reads from this flag
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         self.num_speculative_tokens = num_speculative_tokens
         cache.num_gpu_blocks = num_blocks
         attention = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)

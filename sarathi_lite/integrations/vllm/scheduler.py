@@ -43,6 +43,7 @@ from typing import Any
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
 
 from sarathi_lite.scheduler import ScheduledRequest, SchedulerOutput, TokenBudget
 from sarathi_lite.scheduler.plan import RequestView, StepPlan, make_policy
@@ -111,10 +112,19 @@ class DraftsAsDecodeTokens:
 
 class SarathiScheduler(AsyncScheduler):
     """vLLM's scheduler with sarathi-lite's step decision (see the module docstring). Options come from
-    ``additional_config["sarathi_lite"]`` (``sarathi_lite.integrations.vllm.options``)."""
+    ``additional_config["sarathi_lite"]`` (``sarathi_lite.integrations.vllm.options``). With async scheduling off
+    it keeps the books as vLLM's synchronous ``Scheduler`` does (``_update_after_schedule``)."""
+
+    budget: TokenBudget | None = None
+    """The ``"auto"`` budget (``None`` with a fixed ``chunk_size``, and for an instance vLLM's tests build without
+    ``__init__``, whose ``update_from_output`` then touches no state of the plugin's)."""
+    _log_file = None
+    _sync = False
+    """Whether async scheduling is off (vLLM's synchronous books are then kept); an ``AsyncScheduler``'s unless set."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._sync = not self.scheduler_config.async_scheduling
         self.options = check_vllm_config(self.vllm_config, vllm.__version__, self.kv_cache_config.num_blocks)
         if not isinstance(self.waiting, FCFSRequestQueue):  # vLLM's policy check, as the queue it built says
             raise ValueError(f"sarathi_lite's scheduler orders requests itself: use vLLM's scheduling policy "
@@ -237,8 +247,25 @@ class SarathiScheduler(AsyncScheduler):
         elif self._log_file is not None:
             self._write(record)
 
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        # vLLM's AsyncScheduler counts each scheduled decode's token as known before it is sampled (a placeholder),
+        # so the next step may schedule the decode again; without async scheduling the model runner needs that
+        # token as its input, so a second batch in flight (pipeline parallelism) must not: vLLM's own Scheduler
+        if self._sync:
+            Scheduler._update_after_schedule(self, scheduler_output)
+        else:
+            super()._update_after_schedule(scheduler_output)
+
+    def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any) -> Any:
+        # the placeholders' other side (vLLM 0.32's AsyncScheduler overrides it; later releases fold it into Scheduler)
+        if self._sync:
+            return Scheduler._update_request_with_output(self, request, new_token_ids, *args, **kwargs)
+        return super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.budget is None:
+            return outputs
         now = time.perf_counter()
         started = self._step_started.pop(id(scheduler_output), None)
         if started is not None:  # the step: scheduled, run, and its tokens out
