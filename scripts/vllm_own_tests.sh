@@ -13,7 +13,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 release=${1:?name a release, e.g. 0.34.0}
 short=${release%.*}
-venv=$([ "$short" = 0.32 ] && echo "${VLLM_VENV:-.venv-vllm}" || echo ".venv-vllm-$short")
+venv=$([ "$short" = 0.32 ] && echo "${VLLM_VENV:-.venv-vllm}" || echo "${VLLM_HARNESS_PREFIX:-.venv-vllm-}$short")
+venv=$(cd "$venv" && pwd)  # absolute: the tests run from the work folder
 work=${VLLM_OWN_TESTS_DIR:-.whl/vllm-tests-$release}
 if [ ! -f "$work/tests/v1/core/test_scheduler.py" ]; then
   before=$(ls -d "${TMPDIR:-/tmp}"/pip-download-* 2>/dev/null)
@@ -39,9 +40,9 @@ for name in ("utils.py", "test_scheduler.py", "test_async_scheduler.py"):
     path.write_text(path.read_text().replace('"facebook/opt-125m"', json.dumps(str((work / "tinymodel").resolve()))))
 PY
 cp scripts/vllm_swap_plugin.py "$work/"
-for swap in 0 1; do
+for swap in ${VLLM_OWN_TESTS_SWAPS:-0 1}; do  # 1 alone: only the plugin run
   echo "== vLLM $release, $([ $swap = 1 ] && echo "SarathiScheduler in place of vLLM's" || echo "vLLM's own scheduler")"
-  (cd "$work" && SARATHI_SWAP=$swap "$OLDPWD/$venv/bin/python" -m pytest -q -rf --noconftest -p vllm_swap_plugin \
+  (cd "$work" && SARATHI_SWAP=$swap "$venv/bin/python" -m pytest -q -rf --noconftest -p vllm_swap_plugin \
      -p no:cacheprovider -W ignore tests/v1/core/test_scheduler.py tests/v1/core/test_async_scheduler.py | \
      grep -E "^FAILED|^ERROR|passed|failed")
 done
