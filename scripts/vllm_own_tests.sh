@@ -3,6 +3,10 @@
 # run twice in that release's environment: with vLLM's Scheduler/AsyncScheduler, then with sarathi-lite's
 # SarathiScheduler in their place (scripts/vllm_swap_plugin.py). Not part of the test command (minutes per run).
 #   bash scripts/vllm_own_tests.sh 0.34.0      # the environment: .venv-vllm-0.34/ (.venv-vllm/ for 0.32.0)
+#   for r in 0.32.0 0.33.0 0.34.0; do bash scripts/vllm_own_tests.sh $r; done   # every supported release
+# VLLM_VENV (0.32) and VLLM_HARNESS_PREFIX (others, default .venv-vllm-) name the environments as
+# tests/test_vllm_harness.py takes them; VLLM_OWN_TESTS_SWAPS=1 runs only the plugin's half. The pass counts and
+# every test that fails only with the plugin, with why: docs/guides/vllm_plugin.md.
 # The tests come from the release's source distribution. pip is the client: `pip download` of an sdist unpacks
 # it and then tries to build its metadata (which vLLM's needs CUDA for), so it fails; --no-clean keeps the
 # unpacked tree, which is all this needs. The tests' model, facebook/opt-125m, is replaced by a local folder (no
