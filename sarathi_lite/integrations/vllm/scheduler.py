@@ -190,7 +190,7 @@ class SarathiScheduler(AsyncScheduler):
         if not plan.held or plan.fallback is None:
             return plan
         held = set(plan.held)
-        if any(rid in plan.tokens for rid in plan.running if _owner(rid) not in held):
+        if any(rid in plan.tokens for rid in plan.running if rid not in held):
             return plan
         first = next((rid for rid in plan.waiting if rid in plan.tokens), None)
         if first is None:
@@ -200,7 +200,7 @@ class SarathiScheduler(AsyncScheduler):
 
     def _reorder(self, plan: Any) -> None:
         """Put ``self.running`` and ``self.waiting`` in the plan's order (in place: vLLM holds references)."""
-        rank = {rid: i for i, rid in enumerate(plan.running) if isinstance(rid, str)}
+        rank = {rid: i for i, rid in enumerate(plan.running)}
         self.running.sort(key=lambda r: rank[r.request_id])
         if len(self.waiting) > 1:  # the plan names the prompts it may admit; the rest keep their order behind
             order = {rid: i for i, rid in enumerate(plan.waiting)}
