@@ -147,6 +147,19 @@ def test_preemption_and_aborts_mid_prefill_and_mid_decode_leave_the_block_pool_w
             assert len(tokens) == 120
 
 
+def test_without_async_scheduling_a_second_batch_in_flight_does_not_schedule_a_decode_before_its_token(model):
+    # two batches in flight with async scheduling off (pipeline parallelism): vLLM's synchronous Scheduler waits for
+    # a decode's sampled token, which the model runner takes as input, before it schedules the decode again
+    harness = Harness(model, scheduler="plugin", max_num_batched_tokens=100, num_blocks=11, block_size=16,
+                      plugin_options={"chunk_size": 100})
+    harness.add("first", 80, 4)
+    first = harness.scheduler.schedule()
+    assert dict(first.num_scheduled_tokens) == {"first": 80}
+    harness.add("second", 80, 4)
+    second = harness.scheduler.schedule()  # the first batch's output not processed yet
+    assert dict(second.num_scheduled_tokens) == {"second": 80}
+
+
 def test_the_plugins_options_and_this_releases_conflicting_settings_are_refused(model):
     with pytest.raises(ValueError, match="chunk_size=512"):
         Harness(model, scheduler="plugin", plugin_options={"chunk_size": 512})  # above max_num_batched_tokens 256

@@ -3,6 +3,11 @@
 weights, no hub, no tokenizer) and a ``KVCacheConfig`` of ``num_blocks`` blocks, driven step by step as vLLM's
 engine core drives it, with synthetic model outputs: each request that finishes its known tokens in a step samples
 one token, ``token_of(request_id, index)``, so two schedulers given the same requests must emit the same tokens.
+With speculative decoding (``num_speculative_tokens``), each decode may carry draft tokens: synchronously the
+harness proposes them after each step as vLLM's drafter does (``update_draft_token_ids``; a draft is right where
+``draft_is_right`` says, else a wrong token, and a few steps propose none), under async scheduling vLLM schedules
+placeholders for them; the model accepts the leading right drafts and samples one token past them, so the tokens
+emitted are the same ``token_of`` sequence whatever was drafted.
 
 ``Harness.step`` is one engine-core step: synchronous (schedule, run, update), or with async scheduling as
 ``EngineCore.step_with_batch_queue`` with a queue of two (schedule the next step before the previous one's output
@@ -26,13 +31,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local folder: nev
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig  # noqa: E402, E501
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -59,6 +64,20 @@ def token_of(request_id: str, index: int) -> int:
     return 3 + zlib.crc32(f"{request_id}:{index}".encode()) % (VOCAB - 3)
 
 
+def draft_is_right(request_id: str, index: int) -> bool:
+    """Whether the synthetic drafter guesses ``request_id``'s ``index``-th output token right (three in four)."""
+    return zlib.crc32(f"d{request_id}:{index}".encode()) % 4 != 0
+
+
+def drafts_of(request_id: str, first: int, count: int) -> list[int]:
+    """The synthetic drafter's ``count`` guesses of ``request_id``'s output tokens ``first`` on (none on one step in
+    five, as an n-gram drafter finds no match)."""
+    if zlib.crc32(f"n{request_id}:{first}".encode()) % 5 == 0:
+        return []
+    right = [token_of(request_id, i) for i in range(first, first + count)]
+    return [t if draft_is_right(request_id, i) else 3 + (t - 2) % (VOCAB - 3) for i, t in enumerate(right, first)]
+
+
 @dataclass(slots=True)
 class StepRecord:
     """One engine-core step. ``scheduled``: request id -> tokens scheduled (empty on a step that only processed
@@ -67,7 +86,8 @@ class StepRecord:
     scheduled with prompt tokens (a prefill chunk); ``preempted``: ids vLLM preempted; ``finished``: request id ->
     finish reason of the requests whose output this step processed to the end; ``computed``: each scheduled
     request's tokens computed before the step (its context); ``sampled``: the scheduled requests that sample a
-    token in it; ``time``: the simulated clock after the step (``None`` without a step-time model)."""
+    token in it; ``drafts``: request id -> draft tokens scheduled (speculative decoding; counted in ``scheduled``);
+    ``time``: the simulated clock after the step (``None`` without a step-time model)."""
 
     index: int
     scheduled: dict[str, int]
@@ -77,6 +97,7 @@ class StepRecord:
     finished: dict[str, str] = field(default_factory=dict)
     computed: dict[str, int] = field(default_factory=dict)
     sampled: set[str] = field(default_factory=set)
+    drafts: dict[str, int] = field(default_factory=dict)
     time: float | None = None
 
 
@@ -86,13 +107,16 @@ class Harness:
     scheduler: ``"default"`` (vLLM's ``Scheduler``, or ``AsyncScheduler`` with ``async_scheduling``) or
     ``"plugin"`` (``SarathiScheduler`` with ``plugin_options`` as ``additional_config["sarathi_lite"]``).
     scheduler_fields: further vLLM ``SchedulerConfig`` fields (``long_prefill_token_threshold_adaptive``, ...).
-    Raises what vLLM or the plugin raise for a bad configuration (the plugin's ``ValueError`` names the option).
+    num_speculative_tokens: speculative decoding's draft tokens per step (vLLM's n-gram method; 0: off).
+    Raises what vLLM or the plugin raise for a bad configuration (the plugin's ``ValueError`` names the option; vLLM's
+    for a speculative method its async scheduling does not run with).
     """
 
     def __init__(self, model: Path, *, scheduler: str = "default", async_scheduling: bool = False,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 16, max_model_len: int = 4096,
                  block_size: int = 16, num_blocks: int = 2000, enable_prefix_caching: bool = False,
-                 plugin_options: Mapping[str, Any] | None = None, **scheduler_fields: Any) -> None:
+                 plugin_options: Mapping[str, Any] | None = None, num_speculative_tokens: int = 0,
+                 **scheduler_fields: Any) -> None:
         self._release = adapter(vllm.__version__)  # refuses an unsupported release
         if scheduler not in ("default", "plugin"):
             raise ValueError(f"scheduler={scheduler!r} is not 'default' or 'plugin'")
@@ -103,13 +127,20 @@ class Harness:
                                    max_model_len=max_model_len)
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         additional = {"sarathi_lite": dict(plugin_options or {})} if scheduler == "plugin" else {}
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens, prompt_lookup_max=4,
+                                 prompt_lookup_min=2) if num_speculative_tokens else None
         # the device named: a CUDA wheel on a machine without a GPU cannot infer one, and the scheduler needs none
         self.vllm_config = VllmConfig(scheduler_config=sched, model_config=model_config, cache_config=cache,
-                                      device_config=DeviceConfig(device="cpu"), additional_config=additional)
+                                      device_config=DeviceConfig(device="cpu"), additional_config=additional,
+                                      speculative_config=spec)
+        # vLLM's CPU platform turns async scheduling off (0.32 has only a CPU build here): the scheduler code runs
+        # as the release's GPU build runs it, which a scheduler reads from this flag
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
+        self.num_speculative_tokens = num_speculative_tokens
         cache.num_gpu_blocks = num_blocks
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
+        attention = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                             kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+                                             kv_cache_groups=[KVCacheGroupSpec(["layer"], attention)])
         if scheduler == "plugin":
             from .scheduler import SarathiScheduler as cls
         else:
@@ -167,7 +198,8 @@ class Harness:
             record = StepRecord(len(self.steps), scheduled, decodes, [rid for rid in scheduled if rid not in decoding],
                                 sorted(output.preempted_req_ids or ()), computed={
                                     rid: sched.requests[rid].num_computed_tokens - n for rid, n in scheduled.items()},
-                                sampled=sampling)
+                                sampled=sampling, drafts={rid: len(tokens) for rid, tokens in
+                                                          (output.scheduled_spec_decode_tokens or {}).items()})
             self.steps.append(record)
             self._queue.appendleft((output, sampling))
             if self.async_scheduling and len(self._queue) < 2 and (
@@ -247,10 +279,17 @@ class Harness:
         sched = self.scheduler
         ids = list(output.num_scheduled_tokens)
         sampled = []
+        drafts = output.scheduled_spec_decode_tokens or {}
         for rid in ids:
             request = sched.requests.get(rid)
             n = len(request.output_token_ids) if request is not None else 0
-            sampled.append([token_of(rid, n)] if rid in sampling else [])
+            # the leading right drafts are accepted (a placeholder, under async scheduling, by draft_is_right)
+            accepted = 0
+            for j, token in enumerate(drafts.get(rid, ())):
+                if not (token == token_of(rid, n + j) if token >= 0 else draft_is_right(rid, n + j)):
+                    break
+                accepted += 1
+            sampled.append([token_of(rid, n + i) for i in range(accepted + 1)] if rid in sampling else [])
         index = {"req_id_to_index": {rid: i for i, rid in enumerate(ids)}} if self._release.RUNNER_OUTPUT_INDEX else {}
         runner = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)
         finished = {}
@@ -260,6 +299,11 @@ class Harness:
                 if o.finish_reason is not None:
                     reason = str(o.finish_reason)
                     finished[o.request_id] = self.finish_reasons[o.request_id] = reason
+        if self.num_speculative_tokens and not self.async_scheduling:  # the drafter, after the step (engine core)
+            live = [rid for rid in ids if rid in sched.requests and not sched.requests[rid].is_finished()]
+            sched.update_draft_token_ids(DraftTokenIds(live, [
+                drafts_of(rid, len(sched.requests[rid].output_token_ids), self.num_speculative_tokens)
+                for rid in live]))
         return finished
 
 

@@ -1,6 +1,6 @@
 """The plugin's checks, before vLLM builds an engine: the vLLM release (``version``), the release's settings that
-would override the plugin (its adapter's ``CONFLICTS``), vLLM's scheduling policy, chunked prefill, speculative
-decoding, and the ``sarathi_lite`` options. ``SarathiScheduler`` runs them when vLLM builds it; ``register`` (the
+would override the plugin (its adapter's ``CONFLICTS``), vLLM's scheduling policy, chunked prefill, and the
+``sarathi_lite`` options. ``SarathiScheduler`` runs them when vLLM builds it; ``register`` (the
 ``vllm.general_plugins`` entry point in setup.py) runs them as soon as vLLM has made its configuration, so a
 wrong version or option fails in ``vllm serve``'s first seconds instead of after the model loads."""
 
@@ -32,9 +32,6 @@ def check_vllm_config(vllm_config: Any, version: str, num_blocks: int | None = N
                          f"not {sched.policy!r}")
     if not sched.enable_chunked_prefill:
         raise ValueError("sarathi_lite's scheduler chunks prompts: enable chunked prefill in vLLM")
-    if vllm_config.speculative_config is not None:
-        raise ValueError("sarathi_lite's scheduler does not support speculative decoding yet: drop "
-                         "--speculative-config")
     refuse_conflicts(sched, release.CONFLICTS)
     block_size = cache.block_size or 16
     max_model_len = model.max_model_len

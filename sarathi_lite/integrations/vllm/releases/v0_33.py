@@ -1,6 +1,7 @@
 """vLLM 0.33: adds a local prefill cadence (``prefill_schedule_interval`` now applies without data parallelism:
 steps between two prefill-carrying steps run decodes only), which would hold back the prefill the plugin plans,
-and moves ``AsyncScheduler._update_request_with_output`` into ``Scheduler`` (the plugin does not override it)."""
+and moves ``AsyncScheduler._update_request_with_output`` into ``Scheduler`` (the plugin's synchronous books
+call ``Scheduler``'s, whichever class defines it)."""
 
 from __future__ import annotations
 
