@@ -23,8 +23,8 @@ The policies (``POLICIES``; ``make_policy`` builds one):
   prefill), then prompts mid-prefill, then waiting prompts, under ``chunk_size`` (or the ``"auto"`` budget of
   ``TokenBudget``: the decodes plus the prefill tokens predicted to fit the TBT target). Head-of-line protection
   (``hol_protection``): a prompt is long above ``config.long_threshold`` tokens while it needs more than one
-  step's prefill, and one long prompt is mid-prefill at a time. While one is beside a short prompt, short prompts
-  go first, and a per-request cap (``long_cap``) keeps the long prompts to their share (``long_share``) or what
+  step's prefill. Where a short prompt is there to protect (mid-prefill, or waiting with a seat), one long prompt
+  is mid-prefill at a time; while one is beside a short prompt, short prompts go first, and a per-request cap (``long_cap``) keeps the long prompts to their share (``long_share``) or what
   the short prompts leave, whichever is more. A greedy fill applies one cap to every request, so where the cap
   would cut a short prompt, the long prompts mid-prefill are held out of the step instead and the short prompts
   take the whole budget; never two steps running, so a stream of short prompts cannot starve a long one.
@@ -205,7 +205,8 @@ def decide_step(running: Sequence[View], waiting: Sequence[View], config: Schedu
         # a prompt is long while it is above the threshold and still needs more than one step's prefill (with a
         # fixed chunk size; "auto" steps have no size until they are planned): one that finishes in this step
         # holds back nobody. Short prompts pass long ones in the queue, from anywhere in it, and are the prompts
-        # to protect; one long prompt is mid-prefill at a time (it holds its KV while it prefills over many steps)
+        # to protect; while there are some, one long prompt is mid-prefill at a time (it holds its KV while it
+        # prefills over many steps, which would starve them of blocks)
         step_prefill = 0 if config.auto_budget else config.token_budget - len(decodes)
 
         def is_long(v: View) -> bool:
