@@ -24,10 +24,11 @@ The policies (``POLICIES``; ``make_policy`` builds one):
   ``TokenBudget``: the decodes plus the prefill tokens predicted to fit the TBT target). Head-of-line protection
   (``hol_protection``): a prompt is long above ``config.long_threshold`` tokens while it needs more than one
   step's prefill. Where a short prompt is there to protect (mid-prefill, or waiting with a seat), one long prompt
-  is mid-prefill at a time; while one is beside a short prompt, short prompts go first, and a per-request cap (``long_cap``) keeps the long prompts to their share (``long_share``) or what
-  the short prompts leave, whichever is more. A greedy fill applies one cap to every request, so where the cap
-  would cut a short prompt, the long prompts mid-prefill are held out of the step instead and the short prompts
-  take the whole budget; never two steps running, so a stream of short prompts cannot starve a long one.
+  is mid-prefill at a time; while one is beside a short prompt, short prompts go first, and a per-request cap
+  (``long_cap``) keeps the long prompts to their share (``long_share``) or what the short prompts leave,
+  whichever is more. A greedy fill applies one cap to every request, so where the cap would cut a short prompt,
+  the long prompts mid-prefill are held out of the step instead and the short prompts take the whole budget;
+  never two steps running, so a stream of short prompts cannot starve a long one.
 - ``simple_chunking``: the same prefill steps, but never beside decodes: prefill-only and decode-only steps
   alternate while both have work.
 - ``vllm_v1``: vLLM V1's own rule, to compare with it: running requests in their order, decodes and chunks alike,
