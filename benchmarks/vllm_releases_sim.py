@@ -95,8 +95,8 @@ class System:
         if name.startswith("vllm-budget@") and name.split("@", 1)[1].isdigit():
             return cls(name, budget=int(name.split("@", 1)[1]))
         if name.startswith("adaptive@"):
-            threshold, _, cadence = name.split("@", 1)[1].partition("+cadence@")
-            if threshold.isdigit() and (not cadence or cadence.isdigit()):
+            threshold, held, cadence = name.split("@", 1)[1].partition("+cadence@")
+            if threshold.isdigit() and (cadence.isdigit() if held else not cadence):
                 return cls(name, threshold=int(threshold), adaptive=True, cadence=int(cadence or 1))
         raise SystemExit(f"unknown system {name!r}: plugin, plugin@B, vllm, vllm-budget@B, adaptive@T, "
                          f"adaptive@T+cadence@N")
