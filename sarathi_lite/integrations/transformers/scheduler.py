@@ -2,18 +2,21 @@
 
 transformers keeps everything it owns: its ``RequestState``s, the paged cache (block allocation, prefix sharing,
 offloading of starved requests), the model runner and the outputs. Each ``schedule_batch`` the host reads a
-``RequestView`` of every active and waiting request, asks ``sarathi_lite.scheduler.decision.decide_step`` for the step,
-and hands the decision to transformers' own fill loop (``Scheduler._process_candidates``, the loop its ``"fifo"``
-and ``"prefill_first"`` schedulers run: each candidate in turn gets ``min(tokens it needs, budget left)`` where
-its KV blocks can be allocated):
+``RequestView`` of every active and waiting request, asks its policy (the ``policy`` option, any of
+``POLICIES``; ``sarathi_lite.scheduler.decision``) for the step, and hands the decision to transformers' own fill
+loop (``Scheduler._process_candidates``, the loop its ``"fifo"`` and ``"prefill_first"`` schedulers run: each
+candidate in turn gets ``min(tokens it needs, budget left)`` where its KV blocks can be allocated):
 
-- the candidates in the decision's order: every decode first, then the prompts mid-prefill, then the waiting prompts
-  (short ones before long ones under head-of-line protection), less the long prompts the step holds out
-  (``StepDecision.held``: they stay active and keep their blocks);
+- the candidates in the decision's order (``sarathi``: every decode first, then the prompts mid-prefill, then the
+  waiting prompts, short ones before long ones under head-of-line protection), less the requests the step holds
+  out (``StepDecision.held``: they stay active and keep their blocks);
 - the step's token budget (``chunk_size``, or the ``"auto"`` budget), never above transformers' ``max_batch_tokens``;
 - the cap on one request's tokens (``StepDecision.long_cap``), which transformers' loop lacks: while the loop runs,
   the tokens it reads for a prompt are cut to the cap (``_infer_request_tokens``) and the prompt is split at that
-  length (``_schedule_request``), so KV blocks are allocated for the capped chunk only.
+  length (``_schedule_request``), so KV blocks are allocated for the capped chunk only;
+- under ``StepDecision.whole_prompts`` (the unchunked policies) only the waiting prompts the decision found whole
+  room for, as the loop would otherwise chunk the next one; and where the loop schedules nothing of a decision,
+  its fallback is filled instead.
 
 Every step appends a record to ``step_log`` (bounded in memory; also a JSON-lines file with the ``step_log``
 option): the decision and what transformers scheduled, so tests and benchmarks can check each claim against what ran.

@@ -99,10 +99,8 @@ class DraftsAsDecodeTokens:
     def predict_step_time(self, out: SchedulerOutput) -> float:
         if not any(isinstance(s.request_id, tuple) for s in out.scheduled):
             return self.predictor.predict_step_time(out)
-        drafts: dict[str, int] = {}
-        for s in out.scheduled:
-            if isinstance(s.request_id, tuple):
-                drafts[s.request_id[0]] = drafts.get(s.request_id[0], 0) + s.num_new_tokens
+        drafts = _per_request({s.request_id: s.num_new_tokens for s in out.scheduled
+                               if isinstance(s.request_id, tuple)})
         folded = dataclasses.replace(out, scheduled=[], num_prefill_tokens=0, num_decode_tokens=0, num_prefills=0,
                                      num_decodes=0)
         for s in out.scheduled:
