@@ -26,8 +26,8 @@ PARALLEL_GRAIN = 1 << 12
 """Query-head x context-token dot products below which the kernel runs on one thread (about one decode of 450
 tokens with 9 query heads): a parallel region costs a barrier, more than such a call's work. Above it, even a
 few decodes gain from a second thread (the kernel then splits their KV heads over tasks): in an engine step their
-K/V rows come from memory, and one thread alone cannot draw the bandwidth (measured 2026-12-06: 4 decodes of
-300-600 tokens, SmolLM2 bfloat16, attention 12.4 ms per step on one thread, 9.0 ms on two)."""
+K/V rows come from memory, and one thread alone cannot draw the bandwidth (measured on this project's 2-core CPU:
+4 decodes of 300-600 tokens, SmolLM2 bfloat16, attention 12.4 ms per step on one thread, 9.0 ms on two)."""
 
 
 class CpuPagedAttention(TorchPagedAttention):

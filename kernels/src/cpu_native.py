@@ -129,7 +129,7 @@ def release_thread_pool() -> bool:
     engine is built in the caller's thread and stepped in its own). Each thread that runs a parallel region keeps
     a pool of workers, and when the process holds more OpenMP threads than CPUs, libgomp makes every idle worker
     spin only briefly before it sleeps, so each of a step's ~120 matmuls then waits for a worker to wake up
-    (measured 2026-12-06 on this project's 2-core CPU: a 2-decode bfloat16 SmolLM2 step took 45 ms in the
+    (measured on this project's 2-core CPU: a 2-decode bfloat16 SmolLM2 step took 45 ms in the
     thread that built the engine, 60 ms in a second thread, 45 ms there with the builder's pool released). A
     later parallel region in the calling thread builds a new pool (correct, only slower again). Uses OpenMP 5's
     ``omp_pause_resource_all(omp_pause_soft)``."""
