@@ -9,6 +9,10 @@ cache (the traces share no prefix), the KV pool the simulator derives for the mo
 
 - ``plugin``: ``--scheduler-cls sarathi_lite.integrations.vllm.SarathiScheduler`` with no options (its defaults:
   ``chunk_size`` 512, head-of-line protection on); ``plugin@B``: with ``chunk_size`` B (for the reader);
+- ``plugin-auto``: the plugin told the SLO and the hardware: ``chunk_size`` ``"auto"``, ``tbt_slo`` the capacity
+  SLO (``--tbt-slo``) and ``cost_model`` the model's calibrated H100 model (each step's budget sized so the step
+  fits the SLO; its step timer reads the simulated clock, so its correction learns the simulated step times);
+  ``plugin-auto@S``: the same with ``tbt_slo`` S seconds (for the reader: the long-tail trade at other SLOs);
 - ``vllm``: vLLM 0.34's default scheduler (no long-prefill cap);
 - ``adaptive@T``: ``long_prefill_token_threshold`` T with ``long_prefill_token_threshold_adaptive`` (the cap
   floored at the budget over the requests queued and running); ``adaptive@T+cadence@N`` also
@@ -83,11 +87,22 @@ class System:
     adaptive: bool = False
     cadence: int = 1
     plugin_options: dict[str, Any] | None = None
+    auto: bool = False
+    """The plugin's ``"auto"`` budget, given the SLO and the model's cost model when it runs (``with_slo``)."""
 
     @classmethod
     def parse(cls, name: str) -> System:
         if name == "plugin":
             return cls(name, "plugin", plugin_options={})
+        if name == "plugin-auto":
+            return cls(name, "plugin", plugin_options={}, auto=True)
+        if name.startswith("plugin-auto@"):
+            try:
+                slo = float(name.split("@", 1)[1])
+            except ValueError:
+                slo = 0.0
+            if slo > 0:
+                return cls(name, "plugin", plugin_options={"tbt_slo": slo}, auto=True)
         if name == "vllm":
             return cls(name)
         if name.startswith("plugin@") and name.split("@", 1)[1].isdigit():
@@ -98,8 +113,15 @@ class System:
             threshold, held, cadence = name.split("@", 1)[1].partition("+cadence@")
             if threshold.isdigit() and (cadence.isdigit() if held else not cadence):
                 return cls(name, threshold=int(threshold), adaptive=True, cadence=int(cadence or 1))
-        raise SystemExit(f"unknown system {name!r}: plugin, plugin@B, vllm, vllm-budget@B, adaptive@T, "
-                         f"adaptive@T+cadence@N")
+        raise SystemExit(f"unknown system {name!r}: plugin, plugin@B, plugin-auto, plugin-auto@S, vllm, "
+                         f"vllm-budget@B, adaptive@T, adaptive@T+cadence@N")
+
+    def with_slo(self, tbt_slo: float, cost_model: str) -> System:
+        """This system as it runs under ``tbt_slo`` (seconds) on ``cost_model`` (a ``load_cost_model`` spec)."""
+        if not self.auto:
+            return self
+        return replace(self, plugin_options={"chunk_size": "auto", "tbt_slo": tbt_slo, "cost_model": cost_model,
+                                             **(self.plugin_options or {})})
 
     def options(self) -> dict[str, Any]:
         """``simclock.simulate``'s keywords for this system."""
@@ -125,7 +147,7 @@ def capacity_task(model: str, trace: str, name: str, num_requests: int, tbt_slo:
     cost, default_range, _ = MODELS[model]
     lo, hi = qps_range or default_range
     wl = trace_workload(replace(TRACE_SETUPS["h100-llama3-8b"], num_requests=num_requests), trace)
-    system = System.parse(name)
+    system = System.parse(name).with_slo(tbt_slo, cost)
     t0 = time.perf_counter()
     found = search_capacity(lambda qps: run(wl.at_qps(qps), cost, system), SLO(tbt_slo), lo, hi, probes,
                             label=name)
@@ -145,11 +167,12 @@ def long_tail_workload(seed: int, num_requests: int, qps: float, long_prompt: in
         num_requests // 8, long_prompt)
 
 
-def long_tail_task(model: str, name: str, seeds: int, num_requests: int, long_prompt: int) -> dict[str, Any]:
+def long_tail_task(model: str, name: str, seeds: int, num_requests: int, long_prompt: int,
+                   tbt_slo: float) -> dict[str, Any]:
     """The long-tail mix's seeds under one system, pooled: every request's TTFT and every token gap taken as one
     run, throughput as all output tokens over the sum of the runs' spans."""
     cost, _, qps = MODELS[model]
-    system = System.parse(name)
+    system = System.parse(name).with_slo(tbt_slo, cost)
     t0 = time.perf_counter()
     short, long, gaps, tokens, span, preempted = [], [], [], 0, 0.0, 0
     for seed in range(seeds):
@@ -180,49 +203,64 @@ def _call(task: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
                 "wall_s": 0.0}
 
 
+def is_plugin(system: str) -> bool:
+    """Whether the bars are read for ``system``: the plugin at its defaults and told an SLO (``plugin``,
+    ``plugin-auto``, ``plugin-auto@S``), each on its own; ``plugin@B`` is for the reader."""
+    return system in ("plugin", "plugin-auto") or system.startswith("plugin-auto@")
+
+
 def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each bar of the issue, per model and trace, with the numbers it reads and whether it is met (``None``
-    where a cell it needs is missing or below the search's range)."""
+    """Each bar of the issue, per plugin configuration (``is_plugin``), model and trace, with the numbers it reads
+    and whether it is met (``None`` where a cell it needs is missing or below the search's range)."""
     out = []
     rows = [r for r in rows if "error" not in r]
-    for model in MODELS:
-        for trace in ("conversation", "arxiv"):
-            cap = {r["system"]: r["capacity"] for r in rows
-                   if r["part"] == "capacity" and r["model"] == model and r["trace"] == trace}
-            if "plugin" not in cap:
-                continue
-            swept = {k: v for k, v in cap.items() if k.startswith("adaptive@")}
-            best = max(swept, key=lambda k: swept[k] or 0.0, default=None)
-            ours, base = cap["plugin"], cap.get("vllm")
-            out.append({"bar": "capacity >= 1.1x vllm", "model": model, "trace": trace, "plugin": ours,
-                        "against": base, "ratio": ours / base if ours and base else None,
-                        "met": None if not ours or "vllm" not in cap else (base is None or ours >= 1.1 * base)})
-            if best is not None:
-                top = swept[best]
-                out.append({"bar": "capacity >= 1.0x best adaptive", "model": model, "trace": trace,
-                            "plugin": ours, "against": top, "best": best,
-                            "ratio": ours / top if ours and top else None,
-                            "met": None if not ours else (top is None or ours >= top)})
-        cells = {r["system"]: r for r in rows if r["part"] == "long-tail" and r["model"] == model}
-        if "plugin" not in cells:
+    for plugin in sorted({r["system"] for r in rows if is_plugin(r["system"])}):
+        for model in MODELS:
+            for trace in ("conversation", "arxiv"):
+                cap = {r["system"]: r["capacity"] for r in rows
+                       if r["part"] == "capacity" and r["model"] == model and r["trace"] == trace}
+                if plugin not in cap:
+                    continue
+                swept = {k: v for k, v in cap.items() if k.startswith("adaptive@")}
+                best = max(swept, key=lambda k: swept[k] or 0.0, default=None)
+                ours, base = cap[plugin], cap.get("vllm")
+                out.append({"bar": "capacity >= 1.1x vllm", "system": plugin, "model": model, "trace": trace,
+                            "plugin": ours, "against": base, "ratio": ours / base if ours and base else None,
+                            "met": None if not ours or "vllm" not in cap else (base is None or ours >= 1.1 * base)})
+                if best is not None:
+                    top = swept[best]
+                    out.append({"bar": "capacity >= 1.0x best adaptive", "system": plugin, "model": model,
+                                "trace": trace, "plugin": ours, "against": top, "best": best,
+                                "ratio": ours / top if ours and top else None,
+                                "met": None if not ours else (top is None or ours >= top)})
+            cells = {r["system"]: r for r in rows if r["part"] == "long-tail" and r["model"] == model}
+            if plugin in cells:
+                out += _long_tail_bars(plugin, model, cells)
+    return out
+
+
+def _long_tail_bars(plugin: str, model: str, cells: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The long-tail bars of ``plugin``'s cell against vLLM's default and every vLLM setting swept."""
+    out = []
+    ours = cells[plugin]
+    if "vllm" in cells:
+        base = cells["vllm"]
+        ratio = base["short_ttft_p99"] / ours["short_ttft_p99"]
+        change = ours["out_tok_s"] / base["out_tok_s"] - 1
+        out.append({"bar": "short TTFT p99 >= 3x lower than vllm, throughput within 3%", "system": plugin,
+                    "model": model, "ratio": ratio, "throughput_change": change,
+                    "met": ratio >= 3 and abs(change) <= 0.03})
+    for name, cell in cells.items():
+        if name == "vllm" or name.startswith(("plugin", "vllm-budget@")):
             continue
-        ours = cells["plugin"]
-        if "vllm" in cells:
-            base = cells["vllm"]
-            ratio = base["short_ttft_p99"] / ours["short_ttft_p99"]
-            change = ours["out_tok_s"] / base["out_tok_s"] - 1
-            out.append({"bar": "short TTFT p99 >= 3x lower than vllm, throughput within 3%", "model": model,
-                        "ratio": ratio, "throughput_change": change, "met": ratio >= 3 and abs(change) <= 0.03})
-        for name, cell in cells.items():
-            if name == "vllm" or name.startswith(("plugin", "vllm-budget@")):
-                continue
-            short_better = ours["short_ttft_p99"] < cell["short_ttft_p99"]
-            long_better = ours["long_ttft_p50"] < cell["long_ttft_p50"]
-            met = (short_better and ours["long_ttft_p50"] <= cell["long_ttft_p50"]) or (
-                long_better and ours["short_ttft_p99"] <= cell["short_ttft_p99"])
-            out.append({"bar": "lower short TTFT p99 or long TTFT p50, no worse of the other", "model": model,
-                        "against": name, "short_ttft_p99": [ours["short_ttft_p99"], cell["short_ttft_p99"]],
-                        "long_ttft_p50": [ours["long_ttft_p50"], cell["long_ttft_p50"]], "met": met})
+        short_better = ours["short_ttft_p99"] < cell["short_ttft_p99"]
+        long_better = ours["long_ttft_p50"] < cell["long_ttft_p50"]
+        met = (short_better and ours["long_ttft_p50"] <= cell["long_ttft_p50"]) or (
+            long_better and ours["short_ttft_p99"] <= cell["short_ttft_p99"])
+        out.append({"bar": "lower short TTFT p99 or long TTFT p50, no worse of the other", "system": plugin,
+                    "model": model, "against": name,
+                    "short_ttft_p99": [ours["short_ttft_p99"], cell["short_ttft_p99"]],
+                    "long_ttft_p50": [ours["long_ttft_p50"], cell["long_ttft_p50"]], "met": met})
     return out
 
 
@@ -267,6 +305,9 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=7000, help="tokens (Llama-3's context is 8,192)")
     ap.add_argument("--jobs", type=int, default=1, help="searches run at once (processes)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_releases_sim.json")
+    ap.add_argument("--reuse", type=Path, nargs="*", default=[],
+                    help="earlier results (this script's JSON) whose rows join this run's in the bars and tables, "
+                         "where this run has no row of the same part, model, trace and system (named in the JSON)")
     args = ap.parse_args()
     if simclock.installed_release() != RELEASE:
         sys.exit(f"run this in the environment holding vLLM {RELEASE} (scripts/setup_vllm_harness.sh "
@@ -283,7 +324,7 @@ def main() -> None:
         sys.exit(f"unknown model(s) {unknown}: of {', '.join(MODELS)}")
     tasks: list[tuple[str, tuple[Any, ...]]] = []
     if "long-tail" in parts:
-        tasks += [("long-tail", (m, n, args.seeds, args.long_tail_requests, args.long_prompt))
+        tasks += [("long-tail", (m, n, args.seeds, args.long_tail_requests, args.long_prompt, args.tbt_slo))
                   for m in models for n in names]
     if "capacity" in parts:
         tasks += [("capacity", (m, t, n, args.num_requests, args.tbt_slo, args.probes, args.qps_range))  # by system
@@ -297,19 +338,27 @@ def main() -> None:
                      "scheduling_delay_p50": 2.0},
         "models": {m: {"cost_model": MODELS[m][0], "qps_range": MODELS[m][1], "long_tail_qps": MODELS[m][2]}
                    for m in models},
-        "rows": []}
+        "rows": [], "reused": {}}
+    reused = []
+    for path in args.reuse:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+        record["reused"][portable_arg(str(path))] = {"command": earlier["command"], "commit": earlier["commit"]}
+        reused += earlier["rows"]
+    planned = {(kind, a[0], a[1] if kind == "capacity" else "", a[2] if kind == "capacity" else a[1])
+               for kind, a in tasks}
+    reused = [r for r in reused if (r["part"], r["model"], r.get("trace", ""), r["system"]) not in planned]
     t0 = time.perf_counter()
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
         for row in pool.imap_unordered(_call, tasks):
             record["rows"].append(row)
-            record["bars"] = bars(record["rows"])
+            record["bars"] = bars(record["rows"] + reused)
             record["wall_s"] = round(time.perf_counter() - t0)
             record["load_average"] = list(os.getloadavg())
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(record, indent=1))
             print(f"done: {row['part']} {row['model']} {row.get('trace', '')} {row['system']} "
                   f"({row['wall_s']} s)", flush=True)
-    print(tables(record["rows"]))
+    print(tables(record["rows"] + reused))
     for b in record["bars"]:
         print(("MET   " if b["met"] else "MISSED" if b["met"] is not None else "n/a   "),
               json.dumps({k: v for k, v in b.items() if k != "met"}))

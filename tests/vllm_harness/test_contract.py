@@ -192,3 +192,31 @@ def test_vllms_scheduler_on_the_simulated_clock_matches_our_vllm_v1_policy_step_
           f"with the same token counts; first differences {differ[:3]}")
     assert len(steps) > 100 and any(48 in theirs.values() for _, _, theirs in steps)  # the cap was exercised
     assert not differ
+
+
+def test_the_plugins_auto_budget_learns_the_simulated_step_times_and_holds_the_slo():
+    """On the simulated clock the plugin's step timer reads simulated time: its "auto" budget, told the H100 model
+    while the clock runs the slower A100 one, learns the A100's step times (its correction is their ratio) and
+    keeps the time between tokens within the SLO; timed by the wall clock it would learn the simulation's own
+    Python time instead."""
+    import math
+
+    from sarathi_lite.bench.workload import Workload
+    from sarathi_lite.costs import load_cost_model
+    from sarathi_lite.integrations.vllm.simclock import rows, run_on_clock
+
+    told, clock = load_cost_model("roofline:h100:llama3-8b"), load_cost_model("roofline:a100-80gb:llama3-8b")
+    workload = Workload.from_trace("arxiv", num_requests=60, qps=4.0)
+    options = {"chunk_size": "auto", "tbt_slo": 0.1, "cost_model": "roofline:h100:llama3-8b"}
+    result, harness, _ = run_on_clock(workload, clock, label="plugin", chunk_size=8192, max_num_seqs=64,
+                                      scheduler="plugin", plugin_options=options)
+    budget = harness.scheduler.budget
+    prefill_steps = [rows(r) for r in harness.steps if r.scheduled and r.prefills]
+    ratios = sorted(clock.predict_step_time(o) / told.predict_step_time(o) for o in prefill_steps[-40:])
+    assert ratios[0] > 1.2  # the A100 is slower: a budget that did not learn it would overrun the SLO
+    assert abs(math.log(budget.correction) - math.log(ratios[len(ratios) // 2])) < 0.1
+    measured = [r["measured"] for r in harness.scheduler.step_log if r["measured"] is not None]
+    assert measured and min(measured) > 0.005  # simulated steps, not the microseconds of Python between calls
+    summary = result.stats.summary()
+    assert summary["output_tokens"] == sum(r.output_len for r in workload.requests)
+    assert summary["tbt_p99"] <= 0.1

@@ -22,7 +22,7 @@ import json
 import os
 import zlib
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,7 +153,7 @@ class Harness:
         self._hasher = get_request_block_hasher(block_size, hash_fn)
         self.async_scheduling = async_scheduling
         self.num_blocks = num_blocks
-        self._queue: deque[tuple[Any, set[str]]] = deque()  # steps scheduled, output not yet processed
+        self._queue: deque[tuple[Any, set[str], StepRecord]] = deque()  # steps scheduled, output not yet processed
         self.steps: list[StepRecord] = []
         self.tokens: dict[str, list[int]] = {}  # request id -> output tokens emitted
         self.finish_reasons: dict[str, str] = {}
@@ -185,8 +185,12 @@ class Harness:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self) -> StepRecord | None:
-        """One engine-core step (``None`` when there was nothing to schedule or process)."""
+    def step(self, ran: Callable[[StepRecord], None] | None = None) -> StepRecord | None:
+        """One engine-core step (``None`` when there was nothing to schedule or process).
+
+        ran: called with the record of the step whose output is processed next, just before vLLM's
+        ``update_from_output`` sees it (the model has run: a simulated clock advances by its step time here, so a
+        scheduler that times its steps reads the step's end)."""
         sched = self.scheduler
         record = None
         if sched.has_requests():
@@ -201,13 +205,15 @@ class Harness:
                                 sampled=sampling, drafts={rid: len(tokens) for rid, tokens in
                                                           (output.scheduled_spec_decode_tokens or {}).items()})
             self.steps.append(record)
-            self._queue.appendleft((output, sampling))
+            self._queue.appendleft((output, sampling, record))
             if self.async_scheduling and len(self._queue) < 2 and (
                     output.total_num_scheduled_tokens > 0 or sched.has_requests()):
                 return record
         elif not self._queue:
             return None
-        output, sampling = self._queue.pop()
+        output, sampling, ran_record = self._queue.pop()
+        if ran is not None:
+            ran(ran_record)
         finished = self._process(output, sampling)
         if record is None:
             record = StepRecord(len(self.steps), {}, [], [], [])

@@ -39,6 +39,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import vllm
@@ -117,6 +118,10 @@ class SarathiScheduler(AsyncScheduler):
     budget: TokenBudget | None = None
     """The ``"auto"`` budget (``None`` with a fixed ``chunk_size``, and for an instance vLLM's tests build without
     ``__init__``, whose ``update_from_output`` then touches no state of the plugin's)."""
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    """The step timer's clock (seconds): what the ``"auto"`` budget measures a step with, from ``schedule`` to
+    ``update_from_output``. A simulated engine sets it to its own clock (``simclock``), so the budget learns the
+    simulated step times rather than the Python time the simulation took."""
     _log_file = None
     _sync = False
     """Whether async scheduling is off (vLLM's synchronous books are then kept); an ``AsyncScheduler``'s unless set."""
@@ -142,7 +147,7 @@ class SarathiScheduler(AsyncScheduler):
     # ------------------------------------------------------------------ one step
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
+        started = self.clock()
         length = self.max_model_len
         running = [v for r in self.running for v in _views(r, length)]
         decodes = [v.request_id for v in running if v.is_decode and isinstance(v.request_id, str)]
@@ -198,7 +203,7 @@ class SarathiScheduler(AsyncScheduler):
                 self.waiting.extend(queue)
 
     def _record(self, output: Any, decodes: list[str], decision: Any, started: float) -> None:
-        """Append the step's record: what was planned and what vLLM scheduled (``started``: ``perf_counter`` when
+        """Append the step's record: what was planned and what vLLM scheduled (``started``: ``clock()`` when
         ``schedule`` began)."""
         scheduled = dict(output.num_scheduled_tokens)
         preempted = sorted(output.preempted_req_ids or ())
@@ -254,7 +259,7 @@ class SarathiScheduler(AsyncScheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.budget is None:
             return outputs
-        now = time.perf_counter()
+        now = self.clock()
         started = self._step_started.pop(id(scheduler_output), None)
         if started is not None:  # the step: scheduled, run, and its tokens out
             t0, rows, record = started

@@ -80,23 +80,33 @@ def run_on_clock(workload: Workload, cost_model: CostModel, *, label: str, chunk
     metrics = MetricsRecorder(record_batches=record_batches)
     specs = workload.requests
     prompts = workload.prompt_token_ids(simulator.PROMPT_VOCAB) if config.enable_prefix_caching else None
+    clock = [0.0]  # the simulated time: a step's start while vLLM schedules it, its end once its model has run
+    timed: dict[int, tuple[SchedulerOutput, Any]] = {}  # step index -> its rows and predicted timing
+
+    def ran(record: StepRecord) -> None:
+        if record.scheduled:
+            out = rows(record)
+            timed[record.index] = (out, cost_model.predict(out))
+            clock[0] += timed[record.index][1].step_time
+
+    if scheduler == "plugin":  # the plugin's step timer (the "auto" budget's measurements) reads the simulated clock
+        harness.scheduler.clock = lambda: clock[0]
     nxt, ready = 0, 0.0
     while nxt < len(specs) or harness.scheduler.has_requests():
         if not harness.scheduler.has_requests():
             ready = max(ready, specs[nxt].arrival_time)
-        start = cost_model.start_time(ready)
+        start = clock[0] = cost_model.start_time(ready)
         while nxt < len(specs) and specs[nxt].arrival_time <= start:
             spec = specs[nxt]
             harness.add(spec.request_id, prompts[nxt] if prompts else spec.prompt_len, spec.output_len,
                         arrival=spec.arrival_time)
             metrics.add(spec.request_id, spec.arrival_time, spec.prompt_len)
             nxt += 1
-        record = harness.step()
+        record = harness.step(ran)
         if record is None or not record.scheduled:
             ready = start
             continue
-        out = rows(record)
-        timing = cost_model.predict(out)
+        out, timing = timed.pop(record.index)
         end = start + timing.step_time
         metrics.record_step(out, start, start + timing.schedule_time, end,
                             [_Finished(rid, why) for rid, why in record.finished.items()])
