@@ -28,8 +28,11 @@ def _stop_midway(argv: list[str], cwd: Path, ready: str, sig: int = signal.SIGIN
     """Run ``sarathi-lite argv`` in ``cwd``, send ``sig`` once its stderr matches ``ready`` (a progress bar's
     finished work), and return its exit status, stdout and stderr. Fails if ``ready`` never shows within 240 s
     or the command has not stopped 120 s after the signal."""
+    # SIGINT's default action restored in the child: a test run started in the background by a non-interactive
+    # shell (`pytest &`) ignores SIGINT, a child inherits that, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-m", "sarathi_lite", *argv], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
     reader.start()
