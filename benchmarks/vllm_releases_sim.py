@@ -1,9 +1,10 @@
-"""The plugin inside vLLM 0.34 against vLLM 0.34's own scheduler and its own head-of-line settings, simulated.
+"""The plugin inside a vLLM release against that release's own scheduler and its own head-of-line settings, simulated
+(the release this interpreter holds: 0.32, 0.33 or 0.34).
 
 Every system is the installed vLLM's real scheduling code (``sarathi_lite.integrations.vllm.simclock``: the
 release's ``Scheduler``, or ``SarathiScheduler`` subclassing its ``AsyncScheduler``, driven model-free by the
 contract harness), each step's time predicted by the calibrated H100 cost model (``roofline:h100:llama3-8b``,
-``roofline:4xh100:llama3-70b``: tensor parallel over four). Every system gets vLLM 0.34's own defaults for
+``roofline:4xh100:llama3-70b``: tensor parallel over four). Every system gets vLLM's own defaults for
 ``vllm serve`` on an H100 (``EngineArgs``: ``max_num_batched_tokens`` 8,192, ``max_num_seqs`` 1,024), no prefix
 cache (the traces share no prefix), the KV pool the simulator derives for the model:
 
@@ -13,7 +14,7 @@ cache (the traces share no prefix), the KV pool the simulator derives for the mo
   SLO (``--tbt-slo``) and ``cost_model`` the model's calibrated H100 model (each step's budget sized so the step
   fits the SLO; its step timer reads the simulated clock, so its correction learns the simulated step times);
   ``plugin-auto@S``: the same with ``tbt_slo`` S seconds (for the reader: the long-tail trade at other SLOs);
-- ``vllm``: vLLM 0.34's default scheduler (no long-prefill cap);
+- ``vllm``: the release's default scheduler (no long-prefill cap);
 - ``adaptive@T``: ``long_prefill_token_threshold`` T with ``long_prefill_token_threshold_adaptive`` (the cap
   floored at the budget over the requests queued and running); ``adaptive@T+cadence@N`` also
   ``prefill_schedule_interval`` N (prefill held until N steps have passed since the last step that carried one);
@@ -31,9 +32,12 @@ Parts:
    TTFT p50, output tokens/s, P99 TBT. Bars: short TTFT p99 >= 3x lower than ``vllm`` at throughput within 3%;
    against every setting swept, a lower short TTFT p99 or a lower long TTFT p50 at no worse of the other.
 
-Runs in the environment holding vLLM 0.34 (scripts/setup_vllm_harness.sh), with this checkout on the path:
+Runs in the environment holding the release (scripts/setup_vllm.sh: .venv-vllm/ for 0.32;
+scripts/setup_vllm_harness.sh: .venv-vllm-0.33/, .venv-vllm-0.34/), with this checkout on the path:
 
     PYTHONPATH=. .venv-vllm-0.34/bin/python benchmarks/vllm_releases_sim.py --jobs 2
+
+(0.32 has no ``prefill_schedule_interval``: a cadence system there is a row with vLLM's error.)
 
 Prints the tables and the bars and writes ``--out`` (JSON: command, date, commit, machine, every search's probes
 and every long-tail cell) after each finished search. Simulated: the numbers do not depend on the machine's load.
@@ -63,11 +67,12 @@ from sarathi_lite.costs import load_cost_model
 from sarathi_lite.integrations.vllm import simclock
 
 ROOT = Path(__file__).resolve().parents[1]
-RELEASE = "0.34"
+RELEASES = ("0.32", "0.33", "0.34")
 BUDGET = 8192
-"""vLLM 0.34's ``max_num_batched_tokens`` for ``vllm serve`` on a GPU of at least 70 GiB other than an A100."""
+"""vLLM's ``max_num_batched_tokens`` for ``vllm serve`` on a GPU of at least 70 GiB other than an A100 (0.32 to
+0.34: ``EngineArgs``' table is the same)."""
 SEATS = 1024
-"""vLLM 0.34's ``max_num_seqs`` there."""
+"""vLLM's ``max_num_seqs`` there."""
 MODELS = {  # cost model, capacity search range (requests/s), the long-tail mix's rate (requests/s)
     "llama3-8b": ("roofline:h100:llama3-8b", (0.5, 40.5), 8.0),
     "llama3-70b-tp4": ("roofline:4xh100:llama3-70b", (0.25, 20.25), 4.0),
@@ -309,9 +314,10 @@ def main() -> None:
                     help="earlier results (this script's JSON) whose rows join this run's in the bars and tables, "
                          "where this run has no row of the same part, model, trace and system (named in the JSON)")
     args = ap.parse_args()
-    if simclock.installed_release() != RELEASE:
-        sys.exit(f"run this in the environment holding vLLM {RELEASE} (scripts/setup_vllm_harness.sh "
-                 f"{RELEASE}.0), with this checkout on PYTHONPATH; this interpreter has "
+    release = simclock.installed_release()
+    if release not in RELEASES:
+        sys.exit(f"run this in an environment holding vLLM {', '.join(RELEASES)} (scripts/setup_vllm.sh, "
+                 f"scripts/setup_vllm_harness.sh), with this checkout on PYTHONPATH; this interpreter has "
                  f"{simclock.installed_release() or 'no vLLM'}")
     from sarathi_lite.integrations.vllm import harness  # noqa: F401  (imported once, before the workers fork)
 
@@ -330,7 +336,7 @@ def main() -> None:
         tasks += [("capacity", (m, t, n, args.num_requests, args.tbt_slo, args.probes, args.qps_range))  # by system
                   for n in names for m in models for t in args.traces.split(",")]
     record: dict[str, Any] = {
-        "command": "PYTHONPATH=. .venv-vllm-0.34/bin/python benchmarks/vllm_releases_sim.py " +
+        "command": f"PYTHONPATH=. {portable_arg(sys.executable)} benchmarks/vllm_releases_sim.py " +
                    " ".join(portable_arg(a) for a in sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "commit": commit(), "machine": host(), "vllm": simclock._vllm_version(),
