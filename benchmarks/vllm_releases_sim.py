@@ -318,7 +318,7 @@ def main() -> None:
     if release not in RELEASES:
         sys.exit(f"run this in an environment holding vLLM {', '.join(RELEASES)} (scripts/setup_vllm.sh, "
                  f"scripts/setup_vllm_harness.sh), with this checkout on PYTHONPATH; this interpreter has "
-                 f"{simclock.installed_release() or 'no vLLM'}")
+                 f"{release or 'no vLLM'}")
     from sarathi_lite.integrations.vllm import harness  # noqa: F401  (imported once, before the workers fork)
 
     models, parts = args.models.split(","), args.parts.split(",")
